@@ -1,0 +1,39 @@
+"""hal: one call for paged attention over a scaled-FP8 KV cache, dispatched to the best kernel pack
+for the silicon it runs on.
+
+    import hal
+    hal.target()                    # what this process runs on
+    hal.packs()                     # every pack, with availability and reasons
+    hal.cache_kv(k, v, key_cache, value_cache, slot_mapping, k_scale=ks, v_scale=vs)
+    out = hal.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, k_scale=ks, v_scale=vs)
+    print(hal.explain(q, key_cache, value_cache, block_tables, seq_lens).text())
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hal import env, fp8
+from hal.api import cache_kv, explain, paged_attention
+from hal.dispatch import Decision, NotSupportedError
+from hal.pack import Availability, CallKey, OpSupport, Pack
+from hal.target import Target, target
+from hal.validate import ArgumentError
+
+logging.getLogger("hal").addHandler(logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError", "Availability", "CallKey", "Decision", "NotSupportedError", "OpSupport", "Pack",
+    "Target", "cache_kv", "env", "explain", "fp8", "packs", "paged_attention", "target",
+]
+
+
+def packs() -> tuple[Pack, ...]:
+    """Every pack hal knows, in dispatch order; each has ``.availability`` (ok, reasons, build info)
+    and ``.SUPPORTS`` (its declaration per op)."""
+    from hal import registry
+
+    env.check_unknown()
+    return registry.packs()

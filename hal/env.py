@@ -1,0 +1,65 @@
+"""The ``HAL_*`` environment variables, parsed in one place. Unknown values raise."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+# name -> what it does (shown by hal-probe and in errors)
+VARIABLES = {
+    "HAL_TARGET": "override target detection: cpu, sm_XX[a], gfxNNN[:feature...]",
+    "HAL_PACK": "force a pack by name (emu, cuda, rocm); a forced pack that cannot serve a call raises",
+    "HAL_STRICT": "1: a fallback from the target's native pack to emu, or an FP8 cache without scales, is an error",
+    "HAL_DEBUG": "1: checks that need a device sync (block-table entries, slots, scale values on GPU)",
+}
+_BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}
+
+
+@functools.cache
+def _parse_bool(name: str, raw: str) -> bool:
+    key = raw.strip().lower()
+    if key not in _BOOL:
+        raise ValueError(f"{name}={raw!r} is not understood: expected 0 or 1")
+    return _BOOL[key]
+
+
+def flag(name: str) -> bool:
+    return _parse_bool(name, os.environ.get(name, ""))
+
+
+def strict() -> bool:
+    return flag("HAL_STRICT")
+
+
+def debug() -> bool:
+    return flag("HAL_DEBUG")
+
+
+def forced_pack() -> str | None:
+    raw = os.environ.get("HAL_PACK", "").strip()
+    return raw or None  # the name itself is checked against the registry by dispatch
+
+
+def target_override() -> str | None:
+    raw = os.environ.get("HAL_TARGET", "").strip()
+    return raw or None
+
+
+@functools.cache
+def _warn_unknown(names: tuple[str, ...]) -> None:
+    for name in names:
+        warnings.warn(f"{name} is set but hal knows no such variable (known: {', '.join(VARIABLES)})",
+                      stacklevel=3)
+
+
+def check_unknown() -> None:
+    """Warn (once per set of names) about HAL_* variables hal does not know: usually a typo."""
+    unknown = tuple(sorted(k for k in os.environ if k.startswith("HAL_") and k not in VARIABLES))
+    if unknown:
+        _warn_unknown(unknown)
+
+
+def snapshot() -> dict[str, str]:
+    """The HAL_* variables as set now (for the probe)."""
+    return {k: os.environ[k] for k in sorted(os.environ) if k.startswith("HAL_")}

@@ -1,0 +1,280 @@
+"""FP8 encodings: the one place where FP8 bytes become numbers and numbers become FP8 bytes.
+
+Semantics (design.md, "FP8 semantics"):
+  real   = decode(byte) * scale
+  stored = encode(saturate(real / scale))
+
+* The quotient ``real / scale`` is formed in float32 with IEEE division, then rounded to the encoding
+  with round-to-nearest-even. Every pack uses this order, so all packs write the same bytes.
+* Writing saturates to the largest finite value of the encoding, for every encoding (infinities too).
+  NaN stays NaN. Torch's own casts disagree across encodings (e4m3fn saturates, e4m3fnuz gives NaN,
+  e5m2 gives inf), so nothing here uses them: decode is a 256-entry table built from the bit layout,
+  encode is exact arithmetic on float64.
+* A cache's torch dtype *is* its encoding. The same byte means different numbers in e4m3fn and
+  e4m3fnuz (fnuz values are half, and 0x80 is NaN there), so bytes only move between the two through
+  :func:`fn_to_fnuz`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hal.target import Target
+
+__all__ = [
+    "Encoding",
+    "ENCODINGS",
+    "FP8_DTYPES",
+    "encoding_of",
+    "is_fp8",
+    "decode_table",
+    "encode",
+    "decode",
+    "encode_bytes",
+    "native_e4m3",
+    "native_e5m2",
+    "fn_to_fnuz",
+    "kv_cache_dtype",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """Bit layout of one FP8 encoding.
+
+    ``fnuz`` encodings have no negative zero and no infinities: byte 0x80 is their only NaN.
+    OCP e4m3fn has no infinities and NaN at S.1111.111; OCP e5m2 is IEEE-like (inf and NaNs at
+    exponent 31).
+    """
+
+    name: str
+    dtype: torch.dtype
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    fnuz: bool
+
+    @property
+    def max_finite(self) -> float:
+        return float(_positive_finite_values(self)[-1])
+
+    @property
+    def min_subnormal(self) -> float:
+        return 2.0 ** (1 - self.bias - self.mantissa_bits)
+
+    @property
+    def has_inf(self) -> bool:
+        return self.name == "e5m2"
+
+    def is_nan_byte(self, byte: int) -> bool:
+        if self.fnuz:
+            return byte == 0x80
+        magnitude = byte & 0x7F
+        if self.name == "e4m3fn":
+            return magnitude == 0x7F
+        return (magnitude >> self.mantissa_bits) == 0x1F and (magnitude & 0x3) != 0  # e5m2
+
+    def decode_byte(self, byte: int) -> float:
+        """Exact value of one byte (float64), from the bit layout alone."""
+        if self.is_nan_byte(byte):
+            return math.nan
+        sign = -1.0 if byte & 0x80 else 1.0
+        exponent = (byte >> self.mantissa_bits) & ((1 << self.exponent_bits) - 1)
+        mantissa = byte & ((1 << self.mantissa_bits) - 1)
+        if self.has_inf and exponent == (1 << self.exponent_bits) - 1:
+            return sign * math.inf
+        if exponent == 0:
+            return sign * mantissa * 2.0 ** (1 - self.bias - self.mantissa_bits)
+        return sign * (1.0 + mantissa / (1 << self.mantissa_bits)) * 2.0 ** (exponent - self.bias)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+ENCODINGS: dict[torch.dtype, Encoding] = {
+    e.dtype: e
+    for e in (
+        Encoding("e4m3fn", torch.float8_e4m3fn, 4, 3, 7, fnuz=False),
+        Encoding("e4m3fnuz", torch.float8_e4m3fnuz, 4, 3, 8, fnuz=True),
+        Encoding("e5m2", torch.float8_e5m2, 5, 2, 15, fnuz=False),
+        Encoding("e5m2fnuz", torch.float8_e5m2fnuz, 5, 2, 16, fnuz=True),
+    )
+}
+FP8_DTYPES: frozenset[torch.dtype] = frozenset(ENCODINGS)
+_BY_NAME = {e.name: e for e in ENCODINGS.values()}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in ENCODINGS
+
+
+def encoding_of(dtype_or_name: torch.dtype | str | Encoding) -> Encoding:
+    """The :class:`Encoding` for a torch float8 dtype, an encoding name, or an Encoding."""
+    if isinstance(dtype_or_name, Encoding):
+        return dtype_or_name
+    if isinstance(dtype_or_name, str):
+        name = dtype_or_name.removeprefix("torch.").removeprefix("float8_")
+        if name in _BY_NAME:
+            return _BY_NAME[name]
+        raise ValueError(
+            f"unknown FP8 encoding {dtype_or_name!r}: expected one of {sorted(_BY_NAME)}"
+        )
+    if dtype_or_name in ENCODINGS:
+        return ENCODINGS[dtype_or_name]
+    if dtype_or_name == torch.uint8:
+        raise TypeError(
+            "a uint8 tensor carries no FP8 encoding: view it as the float8 dtype its bytes were "
+            "written in, e.g. cache.view(torch.float8_e4m3fn) (NVIDIA, gfx950) or "
+            "cache.view(torch.float8_e4m3fnuz) (gfx942 / MI300)"
+        )
+    raise TypeError(f"{dtype_or_name} is not an FP8 dtype: expected one of {sorted(str(d) for d in ENCODINGS)}")
+
+
+@functools.cache
+def _table_f64(encoding: Encoding) -> tuple[float, ...]:
+    return tuple(encoding.decode_byte(b) for b in range(256))
+
+
+@functools.cache
+def _positive_finite_values(encoding: Encoding) -> torch.Tensor:
+    """Sorted non-negative finite values of the encoding (float64), one per magnitude byte."""
+    vals = [v for v in _table_f64(encoding)[:128] if math.isfinite(v)]
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+@functools.cache
+def _table_cache(encoding: Encoding, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(_table_f64(encoding), dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def decode_table(encoding: Encoding | torch.dtype, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 256 values of an encoding (index = byte) as a tensor; exact in float32/float64."""
+    return _table_cache(encoding_of(encoding), dtype, torch.device(device))
+
+
+def encode_bytes(x: torch.Tensor, encoding: Encoding | torch.dtype) -> torch.Tensor:
+    """Round ``x`` (any float dtype) to the encoding's nearest value, ties to even, saturating.
+
+    Returns the uint8 bytes. Computed in float64, where scaling by powers of two is exact, so the
+    result is the correctly rounded one for any float32/float16/bfloat16 input.
+    """
+    enc = encoding_of(encoding)
+    a = x.to(torch.float64)
+    mag = a.abs()
+    # Quantum of the binade of each value; one common quantum below the smallest normal binade.
+    min_normal_exp = 1 - enc.bias
+    _, frexp_exp = torch.frexp(mag.clamp_min(2.0 ** min_normal_exp))  # exact, unlike floor(log2)
+    quantum = torch.exp2((frexp_exp - 1 - enc.mantissa_bits).to(torch.float64))
+    rounded = torch.round(mag / quantum) * quantum  # torch.round is round-half-to-even
+    positives = _positive_finite_values(enc).to(a.device)
+    rounded = torch.minimum(rounded.nan_to_num(posinf=math.inf), positives[-1])  # saturate (and inf)
+    magnitude_byte = torch.searchsorted(positives, rounded).to(torch.uint8)  # exact match by construction
+    negative = torch.signbit(a)
+    if enc.fnuz:
+        negative = negative & (magnitude_byte != 0)  # fnuz has no -0: 0x80 is NaN
+    out = magnitude_byte | (negative.to(torch.uint8) << 7)
+    nan_byte = 0x80 if enc.fnuz else (0x7F if enc.name == "e4m3fn" else 0x7E)
+    return torch.where(torch.isnan(a), torch.tensor(nan_byte, dtype=torch.uint8, device=a.device), out)
+
+
+def _as_scale_tensor(scale, like: torch.Tensor, head_dim: int | None) -> torch.Tensor | float:
+    if isinstance(scale, torch.Tensor):
+        s = scale.to(device=like.device, dtype=torch.float32)
+        if s.dim() == 1 and head_dim is not None:  # per-head scale: broadcast over that dim
+            shape = [1] * like.dim()
+            shape[head_dim] = -1
+            s = s.view(shape)
+        return s
+    return float(scale)
+
+
+def encode(x: torch.Tensor, dtype: torch.dtype | Encoding, scale=1.0, *, head_dim: int | None = None) -> torch.Tensor:
+    """``encode(saturate(x / scale))`` as a tensor of ``dtype`` (a torch float8 dtype).
+
+    ``scale`` is a float, a 0-d tensor, or a 1-d per-head tensor broadcast along ``head_dim``.
+    ``x / scale`` is computed in float32 (IEEE division), as the kernels do.
+    """
+    enc = encoding_of(dtype)
+    s = _as_scale_tensor(scale, x, head_dim)
+    q = x.to(torch.float32) / s
+    return encode_bytes(q, enc).view(enc.dtype)
+
+
+def decode(q: torch.Tensor, scale=1.0, out_dtype: torch.dtype = torch.float32, *,
+           head_dim: int | None = None) -> torch.Tensor:
+    """``decode(byte) * scale`` for a float8 tensor, in float32, then cast to ``out_dtype``."""
+    enc = encoding_of(q.dtype)
+    table = decode_table(enc, torch.float32, q.device)
+    values = table[q.view(torch.uint8).to(torch.int32)]
+    s = _as_scale_tensor(scale, values, head_dim)
+    return (values * s).to(out_dtype)
+
+
+def native_e4m3(target: "Target | None" = None) -> torch.dtype:
+    """The e4m3 dtype to allocate an FP8 cache in on ``target`` (default: :func:`hal.target`).
+
+    gfx942 (MI300) converts in e4m3fnuz; NVIDIA sm89+, gfx950 and the CPU use OCP e4m3fn.
+    """
+    return _native(target, "e4m3")
+
+
+def native_e5m2(target: "Target | None" = None) -> torch.dtype:
+    return _native(target, "e5m2")
+
+
+def _native(target, family: str) -> torch.dtype:
+    if target is None:
+        from hal.target import target as detect
+        target = detect()
+    for dtype in target.fp8_encodings:
+        if encoding_of(dtype).name.startswith(family):
+            return dtype
+    return _BY_NAME[family if family == "e5m2" else "e4m3fn"].dtype
+
+
+def fn_to_fnuz(data: torch.Tensor, scale=None):
+    """Move e4m3fn data (and its scale) to e4m3fnuz without changing the values it represents.
+
+    The same byte decodes to half the value in fnuz, so the scale doubles; byte 0x80 (-0 in fn, NaN
+    in fnuz) becomes 0x00. NaN bytes (0x7f/0xff in fn) become the fnuz NaN 0x80. Returns
+    ``(fnuz_data, scale * 2)``, or only the data when ``scale`` is None.
+    """
+    if data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fn_to_fnuz: data must be torch.float8_e4m3fn, got {data.dtype}")
+    raw = data.view(torch.uint8)
+    out = torch.where(raw == 0x80, torch.zeros_like(raw), raw)
+    out = torch.where((raw & 0x7F) == 0x7F, torch.full_like(raw, 0x80), out)
+    out = out.view(torch.float8_e4m3fnuz)
+    if scale is None:
+        return out
+    return out, scale * 2
+
+
+# vLLM's kv_cache_dtype strings. "fp8"/"fp8_e4m3" follow the target's native e4m3 (fnuz on gfx942),
+# as vLLM does; "auto" means the model dtype (no FP8).
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fn", "fp8_e4m3fnuz", "fp8_e5m2fnuz",
+                    "bfloat16", "float16", "half", "float32")
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16, target: "Target | None" = None) -> torch.dtype:
+    """Map a vLLM ``kv_cache_dtype`` string onto the torch dtype to allocate the cache in."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return native_e4m3(target)
+    if name == "fp8_e5m2":
+        return native_e5m2(target)
+    if name.startswith("fp8_"):
+        return encoding_of(name[4:]).dtype
+    plain = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+             "float32": torch.float32}
+    if name in plain:
+        return plain[name]
+    raise ValueError(f"unknown kv_cache_dtype {name!r}: expected one of {list(_KV_CACHE_DTYPES)}")

@@ -1,0 +1,150 @@
+"""What a pack is: a declaration of what it serves, as data, plus its implementations.
+
+The dispatcher, the tests' parameter grids and the probe all read these declarations; nothing else
+decides what a pack can do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import ClassVar
+
+import torch
+
+from hal.target import Target
+
+# Optional behaviours a call may use; a pack lists those it implements.
+FEATURES = ("alibi", "soft_cap", "sliding_window", "per_head_scales")
+OPS = ("paged_attention", "cache_kv")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallKey:
+    """The static facts of a call that decide which pack may serve it (hashable, cheap)."""
+
+    op: str
+    device_type: str
+    query_dtype: torch.dtype        # the query for paged_attention, the new K/V for cache_kv
+    cache_dtype: torch.dtype
+    head_size: int
+    block_size: int
+    gqa_ratio: int = 1
+    features: frozenset[str] = frozenset()
+
+    def describe(self) -> str:
+        feats = ", ".join(sorted(self.features)) or "none"
+        role = "query" if self.op == "paged_attention" else "key/value"
+        return (f"{role} {_dtype_name(self.query_dtype)} on {self.device_type}, cache "
+                f"{_dtype_name(self.cache_dtype)}, head_size {self.head_size}, block_size "
+                f"{self.block_size}, GQA ratio {self.gqa_ratio}, features: {feats}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSupport:
+    """What one pack supports for one op."""
+
+    query_dtypes: frozenset[torch.dtype]
+    cache_dtypes: frozenset[torch.dtype]
+    head_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    devices: frozenset[str]
+    features: frozenset[str] = frozenset()
+    max_gqa_ratio: int | None = None  # None: any ratio
+    # cache dtypes the pack knows but sends elsewhere, with the reason (e.g. fnuz on NVIDIA)
+    cache_dtype_notes: Mapping[torch.dtype, str] = dataclasses.field(default_factory=dict)
+
+    def reasons(self, key: CallKey) -> list[str]:
+        """Every reason this declaration rejects ``key``, as sentences; empty if it admits it."""
+        out = []
+        if key.device_type not in self.devices:
+            out.append(f"tensors are on {key.device_type}; this pack runs on {_join(self.devices)}")
+        if key.query_dtype not in self.query_dtypes:
+            out.append(f"{'query' if key.op == 'paged_attention' else 'key/value'} dtype "
+                       f"{_dtype_name(key.query_dtype)} is not supported (supported: "
+                       f"{_join(_dtype_name(d) for d in self.query_dtypes)})")
+        if key.cache_dtype not in self.cache_dtypes:
+            note = self.cache_dtype_notes.get(key.cache_dtype)
+            out.append(note or f"cache dtype {_dtype_name(key.cache_dtype)} is not supported (supported: "
+                               f"{_join(_dtype_name(d) for d in self.cache_dtypes)})")
+        if key.head_size not in self.head_sizes:
+            out.append(f"head_size {key.head_size} is not supported (supported: {_ranges(self.head_sizes)})")
+        if key.block_size not in self.block_sizes:
+            out.append(f"block_size {key.block_size} is not supported (supported: {_ranges(self.block_sizes)})")
+        if self.max_gqa_ratio is not None and key.gqa_ratio > self.max_gqa_ratio:
+            out.append(f"GQA ratio {key.gqa_ratio} exceeds the maximum {self.max_gqa_ratio}")
+        for f in sorted(key.features - self.features):
+            out.append(f"feature {f!r} is not implemented")
+        return out
+
+    def as_dict(self) -> dict:
+        return {
+            "query_dtypes": sorted(_dtype_name(d) for d in self.query_dtypes),
+            "cache_dtypes": sorted(_dtype_name(d) for d in self.cache_dtypes),
+            "head_sizes": _ranges(self.head_sizes),
+            "block_sizes": _ranges(self.block_sizes),
+            "devices": sorted(self.devices),
+            "features": sorted(self.features),
+            "max_gqa_ratio": self.max_gqa_ratio,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reasons: tuple[str, ...] = ()
+    build_info: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+
+class Pack:
+    """Base of every pack. Subclasses set the class attributes and implement ``_probe``/``impl``."""
+
+    NAME: ClassVar[str]
+    DESCRIPTION: ClassVar[str]
+    VENDORS: ClassVar[frozenset[str]]          # target vendors this pack is native for
+    SUPPORTS: ClassVar[Mapping[str, OpSupport]]
+
+    def native_for(self, target: Target) -> str | None:
+        """None if this pack is native for ``target``, else the reason in words."""
+        if target.vendor not in self.VENDORS:
+            return f"the {self.NAME} pack serves {_join(self.VENDORS)} targets, not {target.vendor}:{target.arch}"
+        return None
+
+    @functools.cached_property
+    def availability(self) -> Availability:
+        try:
+            return self._probe()
+        except Exception as exc:  # a broken pack is reported, never fatal
+            return Availability(False, (f"probing the {self.NAME} pack failed: {type(exc).__name__}: {exc}",))
+
+    def _probe(self) -> Availability:
+        raise NotImplementedError
+
+    def reasons(self, key: CallKey, target: Target) -> list[str]:
+        """Why this pack cannot serve ``key`` on ``target`` (input reasons only)."""
+        support = self.SUPPORTS.get(key.op)
+        if support is None:
+            return [f"op {key.op} is not implemented by the {self.NAME} pack"]
+        return support.reasons(key)
+
+    def impl(self, op: str) -> Callable:
+        raise NotImplementedError
+
+
+def _join(items) -> str:
+    return ", ".join(sorted(str(i) for i in items))
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    """Compact text for a sorted set of ints: '1-256' or '32-256 step 8' or '64, 128'."""
+    v = sorted(values)
+    if len(v) > 3:
+        step = v[1] - v[0]
+        if all(b - a == step for a, b in zip(v, v[1:])):
+            return f"{v[0]}-{v[-1]}" + (f" step {step}" if step != 1 else "")
+    return ", ".join(map(str, v))

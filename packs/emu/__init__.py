@@ -1,0 +1,1 @@
+"""The emu pack (software FP8); see :mod:`hal.packs.emu.pack`."""

@@ -1,0 +1,104 @@
+"""The emu pack's vectorised PyTorch path (any device torch runs on).
+
+Decode attention walks the context in chunks of whole blocks (one chunk for short contexts),
+gathers the chunk's pages for every sequence at once, decodes FP8 bytes through the encoding's
+256-entry table and merges chunks with an online softmax. There is no Python loop per token or per
+block; the number of chunks is bounded by the memory a chunk may take. Scales are folded as the
+native kernels fold them: ``scale * k_scale`` multiplies the logits once, ``v_scale`` the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hal import fp8
+
+# Elements of float32 K (or V) one chunk may hold: 2**24 * 4 bytes = 64 MiB each.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _per_head(s, hkv: int, device) -> torch.Tensor | float:
+    """A scale as float or a tensor broadcastable over [n, hkv, g, *]."""
+    if isinstance(s, torch.Tensor):
+        return s.to(device=device, dtype=torch.float32).reshape(-1).expand(hkv).reshape(1, hkv, 1, 1)
+    return float(s)
+
+
+def _gather_decode(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] as float32 [n, nblk, hkv, bs, d]; FP8 bytes through the decode table."""
+    if fp8.is_fp8(cache.dtype):
+        raw = cache.view(torch.uint8)[blocks]
+        table = fp8.decode_table(cache.dtype, torch.float32, cache.device)
+        return table[raw.to(torch.int32)]
+    return cache[blocks].to(torch.float32)
+
+
+def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                    alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
+    n, h, d = query.shape
+    _, hkv, bs, _ = key_cache.shape
+    g = h // hkv
+    if n == 0:
+        return
+    dev = query.device
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    lens = seq_lens.to(torch.int64)
+    q = query.to(torch.float32).reshape(n, hkv, g, d)
+    logit_scale = _per_head(k_scale, hkv, dev)
+    logit_scale = logit_scale * scale if isinstance(logit_scale, torch.Tensor) else logit_scale * scale
+    first = (lens - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(lens)
+    start_block = (int(first.min()) // bs) if sliding_window is not None else 0
+    slopes = alibi_slopes.to(torch.float32).reshape(1, hkv, g, 1) if alibi_slopes is not None else None
+
+    m = torch.full((n, hkv, g), -math.inf, device=dev)
+    l = torch.zeros((n, hkv, g), device=dev)
+    acc = torch.zeros((n, hkv, g, d), device=dev)
+    blocks_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, n * hkv * bs * d))
+    total_blocks = (max_len + bs - 1) // bs
+    for b0 in range(start_block, total_blocks, blocks_per_chunk):
+        cols = torch.arange(b0, min(b0 + blocks_per_chunk, total_blocks), device=dev)
+        used = cols[None, :] * bs < lens[:, None]
+        blocks = torch.where(used, block_tables[:, cols].to(torch.int64), 0)  # unused entries may be junk
+        t = cols.numel() * bs
+        k = _gather_decode(key_cache, blocks).permute(0, 2, 1, 3, 4).reshape(n, hkv, t, d)
+        s = torch.matmul(q, k.transpose(-1, -2)) * logit_scale            # [n, hkv, g, t]
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        pos = b0 * bs + torch.arange(t, device=dev)
+        if slopes is not None:
+            s = s + slopes * (pos[None, :] - (lens[:, None] - 1)).to(torch.float32).reshape(n, 1, 1, t)
+        keep = (pos[None, :] < lens[:, None]) & (pos[None, :] >= first[:, None])
+        s = s.masked_fill(~keep.reshape(n, 1, 1, t), -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe[..., None])
+        v = _gather_decode(value_cache, blocks).permute(0, 2, 1, 3, 4).reshape(n, hkv, t, d)
+        l = l * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + torch.matmul(p, v)
+        m = m_new
+    out_scale = _per_head(v_scale, hkv, dev)
+    result = acc * out_scale / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    result = torch.where((l > 0)[..., None], result, torch.zeros_like(result))  # empty sequences -> 0
+    out.copy_(result.reshape(n, h, d))
+
+
+def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    nb, hkv, bs, d = key_cache.shape
+    # Out-of-range slots were rejected by validation where it could look (CPU, HAL_DEBUG); on a GPU
+    # without HAL_DEBUG they are skipped here, never written out of bounds.
+    keep = (slot_mapping >= 0) & (slot_mapping < nb * bs)
+    slots = slot_mapping[keep]
+    if slots.numel() == 0:
+        return
+    blk, off = slots // bs, slots % bs
+    for x, cache, s in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        rows = x[keep].to(torch.float32)
+        if isinstance(s, torch.Tensor):
+            s = s.to(torch.float32).reshape(-1).expand(hkv).reshape(1, hkv, 1)
+        if fp8.is_fp8(cache.dtype):
+            cache.view(torch.uint8)[blk, :, off] = fp8.encode_bytes(rows / s, cache.dtype)
+        else:
+            cache[blk, :, off] = (rows / s).to(cache.dtype)
