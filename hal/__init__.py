@@ -17,7 +17,7 @@ from hal import env, fp8
 from hal.api import cache_kv, explain, paged_attention
 from hal.dispatch import Decision, NotSupportedError
 from hal.pack import Availability, CallKey, OpSupport, Pack
-from hal.target import Target, target
+from hal.targets import Target, target
 from hal.validate import ArgumentError
 
 logging.getLogger("hal").addHandler(logging.NullHandler())

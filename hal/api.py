@@ -75,7 +75,7 @@ def explain(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale=No
     """The dispatch decision ``hal.paged_attention`` would take for these arguments, with every
     pack's verdict and reasons (``print(hal.explain(...).text())``). Runs nothing."""
     from hal import env
-    from hal.target import target
+    from hal.targets import target
 
     op = "paged_attention"
     ks = validate.scale(op, "k_scale", k_scale, key_cache) if k_scale is not None else 1.0

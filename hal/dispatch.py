@@ -15,7 +15,7 @@ import logging
 
 from hal import env, registry
 from hal.pack import CallKey, Pack
-from hal.target import Target, target as current_target
+from hal.targets import Target, target as current_target
 
 log = logging.getLogger("hal")
 

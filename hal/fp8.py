@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hal.target import Target
+    from hal.targets import Target
 
 __all__ = [
     "Encoding",
@@ -231,7 +231,7 @@ def native_e5m2(target: "Target | None" = None) -> torch.dtype:
 
 def _native(target, family: str) -> torch.dtype:
     if target is None:
-        from hal.target import target as detect
+        from hal.targets import target as detect
         target = detect()
     for dtype in target.fp8_encodings:
         if encoding_of(dtype).name.startswith(family):

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from hal.target import Target
+from hal.targets import Target
 
 # Optional behaviours a call may use; a pack lists those it implements.
 FEATURES = ("alibi", "soft_cap", "sliding_window", "per_head_scales")

@@ -1,4 +1,4 @@
-"""Finding packs: the in-tree ones under ``hal.packs`` plus out-of-tree ones from the entry-point
+"""Finding packs: the in-tree ones under ``hal.kernelpacks`` plus out-of-tree ones from the entry-point
 group ``hal.packs``. Each pack module exposes ``PACK``, a :class:`hal.pack.Pack` instance. Loading is
 lazy and never raises: a pack that fails to import is listed with the reason."""
 
@@ -56,11 +56,11 @@ def packs() -> tuple[Pack, ...]:
     for name in IN_TREE:
         if name == FLOOR:
             continue
-        if importlib.util.find_spec(f"hal.packs.{name}") is not None:
-            found.append(_load_module(f"hal.packs.{name}.pack", name))
+        if importlib.util.find_spec(f"hal.kernelpacks.{name}") is not None:
+            found.append(_load_module(f"hal.kernelpacks.{name}.pack", name))
     for ep in entry_points(group="hal.packs"):
         found.append(_load_module(ep.value, ep.name))
-    found.append(_load_module(f"hal.packs.{FLOOR}.pack", FLOOR))
+    found.append(_load_module(f"hal.kernelpacks.{FLOOR}.pack", FLOOR))
     return tuple(found)
 
 

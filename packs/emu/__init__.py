@@ -1,1 +1,1 @@
-"""The emu pack (software FP8); see :mod:`hal.packs.emu.pack`."""
+"""The emu pack (software FP8); see :mod:`hal.kernelpacks.emu.pack`."""

@@ -65,13 +65,13 @@ def _run(op: str, *args) -> None:
 
 @functools.cache
 def _torch():
-    from hal.packs.emu import torch_path
+    from hal.kernelpacks.emu import torch_path
     return torch_path
 
 
 @functools.cache
 def _triton():
-    from hal.packs.emu import triton_path
+    from hal.kernelpacks.emu import triton_path
     return triton_path
 
 

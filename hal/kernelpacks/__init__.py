@@ -1,4 +1,4 @@
-"""Home of the in-tree packs: ``hal.packs.emu``, ``hal.packs.cuda``, ``hal.packs.rocm``.
+"""Home of the in-tree packs: ``hal.kernelpacks.emu``, ``hal.kernelpacks.cuda``, ``hal.kernelpacks.rocm``.
 
 In an installed wheel the packs' folders are copied here from the repository's ``packs/`` (see
 ``wheel.packages`` in pyproject.toml). Run from a checkout, that folder is searched directly, so

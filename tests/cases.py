@@ -1,0 +1,107 @@
+"""Random paged-attention problems for the tests, built without any hal code path.
+
+Cache contents come from random floats quantised by the reference (ml_dtypes), so a bug in
+hal.cache_kv cannot hide one in paged_attention. Pages are shuffled; block-table entries past a
+sequence's last used block are junk on purpose (a kernel must never read through them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+import reference
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz)
+
+
+@dataclasses.dataclass
+class Case:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    k_scale: object
+    v_scale: object
+    kwargs: dict
+
+    def reference(self) -> np.ndarray:
+        return reference.paged_attention(self.query, self.key_cache, self.value_cache, self.block_tables,
+                                         self.seq_lens, k_scale=self.k_scale, v_scale=self.v_scale,
+                                         **self.kwargs)
+
+    def poisoned_out(self) -> torch.Tensor:
+        return torch.full_like(self.query, float("nan"))
+
+
+def random_cache(shape, dtype, scale, gen: torch.Generator) -> torch.Tensor:
+    """Values ~ N(0, 1) in real units, stored as ``dtype`` with ``scale`` (per-head allowed)."""
+    real = torch.randn(shape, generator=gen)
+    if dtype in FP8:
+        s = scale.reshape(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
+        flat = (real / s).reshape(shape[0], shape[1], -1)
+        q = reference.quantize(flat, dtype, 1.0).reshape(shape)
+        return torch.from_numpy(q).view(dtype)
+    return real.to(dtype)
+
+
+def fp8_scale_for(dtype: torch.dtype) -> float:
+    """A realistic per-tensor scale: N(0,1) data with absmax ~4.5 maps onto the format's range."""
+    return 4.5 / torch.finfo(dtype).max if dtype in FP8 else 1.0
+
+
+def make_case(*, seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+              cache_dtype=torch.float8_e4m3fn, query_dtype=torch.bfloat16, per_head_scales=False,
+              scale_as_tensor=False, extra_blocks=3, share_prefix=False, seed=0, device="cpu",
+              **kwargs) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    n = len(seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    max_blocks = max(1, (max(seq_lens, default=0) + block_size - 1) // block_size) + 1
+    num_blocks = n * max_blocks + extra_blocks
+    base = fp8_scale_for(cache_dtype)
+    if per_head_scales:
+        k_scale = base * (0.5 + torch.rand(num_kv_heads, generator=gen))
+        v_scale = base * (0.5 + torch.rand(num_kv_heads, generator=gen))
+    elif scale_as_tensor:
+        k_scale, v_scale = torch.tensor(base * 1.1), torch.tensor(base * 0.9)
+    else:
+        k_scale, v_scale = base * 1.1, base * 0.9
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    kc = random_cache(shape, cache_dtype, k_scale, gen)
+    vc = random_cache(shape, cache_dtype, v_scale, gen)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.full((n, max_blocks), 10**6, dtype=torch.int32)  # junk past the used blocks
+    for i, L in enumerate(seq_lens):
+        used = (L + block_size - 1) // block_size
+        tables[i, :used] = perm[i * max_blocks: i * max_blocks + used]
+        if share_prefix and i > 0:  # sequences sharing their first blocks (prefix caching)
+            shared = min(used, (tables[0] != 10**6).sum().item()) - 1
+            if shared > 0:
+                tables[i, :shared] = tables[0, :shared]
+    q = torch.randn((n, num_heads, head_size), generator=gen).to(query_dtype)
+    t = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    kwargs = {k: t(v) for k, v in kwargs.items()}
+    return Case(q.to(device), kc.to(device), vc.to(device), tables.to(device), lens.to(device),
+                t(k_scale), t(v_scale), kwargs)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes (for a power-of-two head count; others interpolate)."""
+    return torch.tensor([2 ** (-8 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32)
+
+
+def tolerance_ok(out: torch.Tensor, ref: np.ndarray, compute_rel: float = 1e-5) -> tuple[bool, str]:
+    """Element-wise bound: rounding to the output dtype (half an ulp, relative) plus the float32
+    compute error (``compute_rel`` of the largest magnitude). Reports the worst ratio to the bound."""
+    o = out.detach().cpu().to(torch.float64).numpy()
+    if not np.all(np.isfinite(o)):
+        return False, f"{int((~np.isfinite(o)).sum())} non-finite outputs (unwritten or NaN)"
+    half_ulp = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out.dtype]
+    bound = half_ulp * np.abs(ref) + compute_rel * max(1e-30, float(np.abs(ref).max(initial=0.0)))
+    err = np.abs(o - ref)
+    worst = float((err / np.maximum(bound, 1e-300)).max(initial=0.0))
+    return worst <= 1.0, f"worst error/bound = {worst:.3g}, max abs error {float(err.max(initial=0)):.3g}"

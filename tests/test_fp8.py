@@ -1,0 +1,145 @@
+"""hal.fp8 against ml_dtypes, bit for bit: all 256 bytes of every encoding, dense float sweeps
+(round-to-nearest-even, subnormals, the saturation edge), and the fn -> fnuz move."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from hal import fp8
+from hal.targets import parse
+
+pytestmark = pytest.mark.emu
+
+ML = {
+    torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+    torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
+    torch.float8_e5m2: ml_dtypes.float8_e5m2,
+    torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz,
+}
+ALL = list(ML)
+MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0, torch.float8_e5m2: 57344.0,
+       torch.float8_e5m2fnuz: 57344.0}
+
+
+def _same(a, b) -> np.ndarray:
+    return (a == b) | (np.isnan(a) & np.isnan(b))
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_decode_all_256_bytes_match_ml_dtypes(dtype):
+    ref = np.arange(256, dtype=np.uint8).view(ML[dtype]).astype(np.float64)
+    table = fp8.decode_table(dtype, torch.float64).numpy()
+    assert _same(table, ref).all()
+    # decode() goes through the same table, in float32 (every FP8 value is exact there)
+    q = torch.arange(256, dtype=torch.uint8).view(dtype)
+    assert _same(fp8.decode(q).numpy().astype(np.float64), ref).all()
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_max_finite_and_bytes(dtype):
+    enc = fp8.encoding_of(dtype)
+    assert enc.max_finite == MAX[dtype] == float(ml_dtypes.finfo(ML[dtype]).max)
+    assert enc.min_subnormal == float(ml_dtypes.finfo(ML[dtype]).smallest_subnormal)
+
+
+def _sweep(dtype) -> torch.Tensor:
+    enc = fp8.encoding_of(dtype)
+    g = torch.Generator().manual_seed(1)
+    # every representable value and every midpoint between neighbours (the ties), +-1 float32 ulp
+    vals = fp8.decode_table(dtype, torch.float64)
+    finite = torch.sort(vals[torch.isfinite(vals)]).values.unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    pts = torch.cat([finite, mids]).to(torch.float32)
+    around = torch.cat([pts, torch.nextafter(pts, torch.tensor(math.inf)), torch.nextafter(pts, torch.tensor(-math.inf))])
+    dense = torch.linspace(-1.5 * enc.max_finite, 1.5 * enc.max_finite, 100_001)
+    tiny = torch.randn(50_000, generator=g) * enc.min_subnormal * 6      # subnormal range
+    wide = torch.randn(50_000, generator=g) * enc.max_finite / 3
+    return torch.cat([around, dense, tiny, wide])
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_encode_is_round_to_nearest_even_with_saturation(dtype):
+    x = _sweep(dtype)
+    ours = fp8.encode_bytes(x, dtype).numpy()
+    fmax = MAX[dtype]
+    ref = np.clip(x.numpy(), -fmax, fmax).astype(ML[dtype]).view(np.uint8)  # ml_dtypes itself overflows
+    mismatch = ours != ref
+    assert not mismatch.any(), f"{mismatch.sum()} mismatches, e.g. x={x.numpy()[mismatch][:5]}"
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_saturation_nan_and_zero(dtype):
+    enc = fp8.encoding_of(dtype)
+    x = torch.tensor([1e30, -1e30, math.inf, -math.inf, math.nan, 0.0, -0.0, enc.max_finite * 1.06])
+    got = fp8.decode(fp8.encode(x, dtype)).tolist()
+    m = enc.max_finite
+    assert got[:4] == [m, -m, m, -m]
+    assert math.isnan(got[4])
+    assert got[5] == 0.0 and got[7] == m
+    raw = fp8.encode_bytes(x, dtype)
+    if enc.fnuz:
+        assert raw[6].item() == 0x00, "fnuz has no negative zero: 0x80 is its NaN"
+    else:
+        assert raw[6].item() == 0x80
+
+
+def test_encode_divides_by_scale_in_float32_and_broadcasts_per_head():
+    x = torch.randn(5, 3, 8)
+    s = torch.tensor([0.5, 0.01, 2.0])
+    q = fp8.encode(x, torch.float8_e4m3fn, s, head_dim=1)
+    expect = fp8.encode_bytes(x.float() / s.view(1, 3, 1), torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), expect)
+    back = fp8.decode(q, s, torch.float32, head_dim=1)
+    assert torch.allclose(back, x, rtol=2 ** -3, atol=0.01 * 2 ** -6)  # e4m3: 3 mantissa bits
+
+
+def test_fn_to_fnuz_bit_for_bit_over_all_bytes():
+    fn = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    fnuz, s = fp8.fn_to_fnuz(fn, 0.25)
+    assert s == 0.5
+    before = fp8.decode(fn, 0.25).numpy()
+    after = fp8.decode(fnuz, s).numpy()
+    raw = fnuz.view(torch.uint8).numpy()
+    for b in range(256):
+        if b == 0x80:                           # -0 in fn -> +0 (0x80 is NaN in fnuz)
+            assert raw[b] == 0 and after[b] == 0.0
+        elif b & 0x7F == 0x7F:                  # NaN stays NaN
+            assert raw[b] == 0x80 and math.isnan(after[b])
+        else:                                   # same byte, same value once the scale doubles
+            assert raw[b] == b and after[b] == before[b]
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fp8.fn_to_fnuz(fnuz)
+
+
+def test_uint8_is_refused_with_a_hint():
+    with pytest.raises(TypeError, match=r"view\(torch.float8_e4m3fn\)"):
+        fp8.encoding_of(torch.uint8)
+
+
+@pytest.mark.parametrize("arch,e4m3,e5m2", [
+    ("gfx942", torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
+    ("gfx950", torch.float8_e4m3fn, torch.float8_e5m2),
+    ("sm_90", torch.float8_e4m3fn, torch.float8_e5m2),
+    ("sm_80", torch.float8_e4m3fn, torch.float8_e5m2),   # no FP8 hardware: emu, OCP default
+    ("cpu", torch.float8_e4m3fn, torch.float8_e5m2),
+])
+def test_native_encodings(arch, e4m3, e5m2):
+    t = parse(arch)
+    assert fp8.native_e4m3(t) == e4m3
+    assert fp8.native_e5m2(t) == e5m2
+    assert fp8.kv_cache_dtype("fp8", target=t) == e4m3
+    assert fp8.kv_cache_dtype("fp8_e4m3", target=t) == e4m3
+    assert fp8.kv_cache_dtype("fp8_e5m2", target=t) == e5m2
+
+
+def test_kv_cache_dtype_strings():
+    assert fp8.kv_cache_dtype("auto", torch.float16) == torch.float16
+    assert fp8.kv_cache_dtype("fp8_e4m3fnuz") == torch.float8_e4m3fnuz
+    assert fp8.kv_cache_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp9'"):
+        fp8.kv_cache_dtype("fp9")
