@@ -10,11 +10,14 @@ from hal import dispatch, validate
 from hal import ops as _ops  # noqa: F401  (registers torch.ops.hal.*)
 
 
-def _split_scale(s):
+def _split_scale(op: str, name: str, s):
+    """A scale goes to the op's tensor slot or its float slot (validated there)."""
     if s is None:
         return None, None
     if isinstance(s, torch.Tensor):
         return None, s
+    if isinstance(s, (str, bytes)) or not hasattr(s, "__float__"):
+        raise validate.ArgumentError(f"hal.{op}: {name} must be a float or a float32 tensor; got {type(s).__name__}")
     return float(s), None
 
 
@@ -43,12 +46,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``max_seq_len``: host-side upper bound on ``seq_lens`` (required during CUDA graph capture).
     ``pack``: force a pack by name (also ``HAL_PACK``).
     """
+    validate.tensor("paged_attention", "query", query)
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    ks, kst = _split_scale(k_scale)
-    vs, vst = _split_scale(v_scale)
+    ks, kst = _split_scale("paged_attention", "k_scale", k_scale)
+    vs, vst = _split_scale("paged_attention", "v_scale", v_scale)
     torch.ops.hal.paged_attention.default(
         out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), ks, vs, kst, vst,
         alibi_slopes, None if logits_soft_cap is None else float(logits_soft_cap), sliding_window,
@@ -64,8 +68,8 @@ def cache_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     ``slot = block * block_size + offset``; a negative slot skips its token (padding). For an FP8
     cache, values beyond the encoding's range saturate to its largest finite value; NaN stays NaN.
     """
-    ks, kst = _split_scale(k_scale)
-    vs, vst = _split_scale(v_scale)
+    ks, kst = _split_scale("cache_kv", "k_scale", k_scale)
+    vs, vst = _split_scale("cache_kv", "v_scale", v_scale)
     torch.ops.hal.cache_kv.default(key, value, key_cache, value_cache, slot_mapping, ks, vs, kst, vst, pack)
 
 

@@ -105,13 +105,17 @@ def cpu_target(source: str = "detected") -> Target:
 def parse(text: str, source: str = "HAL_TARGET") -> Target:
     """Parse a target string: ``cpu``, ``sm_90``, ``sm_90a``, ``gfx942``, ``gfx942:sramecc+:xnack-``."""
     t = text.strip().lower()
-    if t == "cpu":
-        return cpu_target(source)
-    if t.startswith("sm_"):
-        return cuda_target(t, source=source)
-    if t.startswith("gfx"):
-        return rocm_target(t, source=source)
-    raise ValueError(f"HAL_TARGET={text!r} is not understood: expected cpu, sm_XX (e.g. sm_90) or gfxNNN (e.g. gfx942)")
+    try:
+        if t == "cpu":
+            return cpu_target(source)
+        if t.startswith("sm_"):
+            return cuda_target(t, source=source)
+        if t.startswith("gfx"):
+            return rocm_target(t, source=source)
+        raise ValueError("unknown vendor prefix")
+    except ValueError as exc:
+        raise ValueError(f"HAL_TARGET={text!r} is not understood ({exc}): expected cpu, sm_XX (e.g. sm_90) "
+                         f"or gfxNNN[:feature+] (e.g. gfx942)") from None
 
 
 def _detect_nvidia() -> Target | None:

@@ -35,7 +35,7 @@ def _desc(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
-def _tensor(op: str, name: str, t) -> torch.Tensor:
+def tensor(op: str, name: str, t) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         _fail(op, name, "a torch.Tensor", type(t).__name__)
     return t
@@ -43,7 +43,7 @@ def _tensor(op: str, name: str, t) -> torch.Tensor:
 
 def _check_caches(op: str, key_cache, value_cache) -> None:
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _tensor(op, name, c)
+        tensor(op, name, c)
         if c.dtype == torch.uint8:
             try:
                 encoding_of(torch.uint8)
@@ -104,6 +104,8 @@ def scale(op: str, name: str, value, cache: torch.Tensor):
                     _fail(op, name, "finite and > 0", f"{value.tolist()}")
             return value.contiguous()
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError(value)
         f = float(value)
     except (TypeError, ValueError):
         _fail(op, name, "a float or a float32 tensor", type(value).__name__)
@@ -129,7 +131,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, out) -> CallKey:
     """Check every argument of paged_attention (scales already normalised); return the call's key."""
     op = "paged_attention"
-    _tensor(op, "query", query)
+    tensor(op, "query", query)
     _check_caches(op, key_cache, value_cache)
     nb, hkv, bs, d = key_cache.shape
     dev = key_cache.device
@@ -146,11 +148,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     if h % hkv != 0:
         _fail(op, "query", f"a number of heads divisible by num_kv_heads={hkv}", f"{h} heads")
 
-    _tensor(op, "block_tables", block_tables)
+    tensor(op, "block_tables", block_tables)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n:
         _fail(op, "block_tables", f"an int32 [num_seqs={n}, max_blocks_per_seq] tensor", _desc(block_tables))
     _same_device(op, "block_tables", block_tables, dev)
-    _tensor(op, "seq_lens", seq_lens)
+    tensor(op, "seq_lens", seq_lens)
     if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] != n:
         _fail(op, "seq_lens", f"an int32 [num_seqs={n}] tensor", _desc(seq_lens))
     _same_device(op, "seq_lens", seq_lens, dev)
@@ -159,7 +161,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0):
         _fail(op, "scale", "a finite float > 0 (or None for head_size**-0.5)", repr(scale))
     if alibi_slopes is not None:
-        _tensor(op, "alibi_slopes", alibi_slopes)
+        tensor(op, "alibi_slopes", alibi_slopes)
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape != (h,):
             _fail(op, "alibi_slopes", f"a float32 [num_heads={h}] tensor", _desc(alibi_slopes))
         _same_device(op, "alibi_slopes", alibi_slopes, dev)
@@ -178,7 +180,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
               "workspace without a device sync)", "None")
 
     if out is not None:
-        _tensor(op, "out", out)
+        tensor(op, "out", out)
         if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(-1) != 1:
             _fail(op, "out", f"like query ({_desc(query)}, contiguous last dim)", _desc(out))
 
@@ -202,8 +204,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
 
 def cache_kv(key, value, key_cache, value_cache, slot_mapping, *, k_scale, v_scale) -> CallKey:
     op = "cache_kv"
-    _tensor(op, "key", key)
-    _tensor(op, "value", value)
+    tensor(op, "key", key)
+    tensor(op, "value", value)
     _check_caches(op, key_cache, value_cache)
     nb, hkv, bs, d = key_cache.shape
     dev = key_cache.device
@@ -217,7 +219,7 @@ def cache_kv(key, value, key_cache, value_cache, slot_mapping, *, k_scale, v_sca
         _same_device(op, name, t, dev)
     if value.shape != key.shape or value.dtype != key.dtype:
         _fail(op, "value", f"the same shape and dtype as key ({_desc(key)})", _desc(value))
-    _tensor(op, "slot_mapping", slot_mapping)
+    tensor(op, "slot_mapping", slot_mapping)
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
         _fail(op, "slot_mapping", f"an int64 [num_tokens={key.shape[0]}] tensor", _desc(slot_mapping))
     _same_device(op, "slot_mapping", slot_mapping, dev)

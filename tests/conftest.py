@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py, tests/cases.py
 
 import hal  # noqa: E402
-from hal import dispatch, registry, targets, validate  # noqa: E402
+from hal import dispatch, targets, validate  # noqa: E402
 
 
 def _pack_reasons(name: str) -> str | None:
@@ -46,4 +46,3 @@ def _fresh_hal_state(monkeypatch):
     dispatch.decide.cache_clear()
     dispatch._announce.cache_clear()
     targets._detect.cache_clear()
-    registry.packs.cache_clear()

@@ -1,0 +1,8 @@
+"""hal-bench: side-by-side timing of every hal pack and the baselines over a paged (FP8) KV cache.
+
+Modules: :mod:`shapes` (named shape sets, SPEC strings), :mod:`data` (random paged caches with
+shuffled pages, the bytes an op must move), :mod:`check` (the correctness check every contender
+passes before it is timed), :mod:`baselines` (plain PyTorch, FlashInfer), :mod:`contenders` (what is
+compared), :mod:`timing` (CUDA events / perf_counter, copy bandwidth), :mod:`runner` (one run) and
+:mod:`report` (rich table, JSON, PNG). The command line lives in :mod:`hal.cli.bench`.
+"""

@@ -1,0 +1,139 @@
+"""The correctness check every contender passes before it is timed.
+
+What is checked, per problem:
+
+1. Reference A: the emu pack's PyTorch path run with a float32 output (no rounding to the query
+   dtype) over **every** sequence, on the problem's device.
+2. Reference B: float64 over a **subset** of sequences (all of them while the subset's tokens stay
+   under ``F64_TOKENS``; else the longest, the shortest and random ones up to that budget, at least
+   two). Written here independently of every pack: pages gathered per sequence, FP8 decoded by
+   torch's own exact cast to float64, textbook softmax. Reference A is itself checked against B
+   (``ref_err``), so a wrong emu path cannot pass a wrong contender.
+3. A contender's output (written into a NaN-poisoned buffer where the contender takes ``out``) must be
+   finite, and its worst per-sequence relative L2 error ``||o_i - r_i|| / ||r_i||`` must be within
+   the tolerance against both A (all sequences) and B (the subset). The figures are reported.
+
+Tolerance: 2e-2 for bf16/fp16 outputs (their rounding alone is ~2e-3; baselines computing in bf16
+reach ~5e-3), 1e-4 for fp32 outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from hal.bench.data import Problem
+
+F64_TOKENS = 1 << 16
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-2, torch.float32: 1e-4}
+REF_TOLERANCE = 1e-4   # emu float32 against float64
+
+
+def emu_torch():
+    """The emu pack's PyTorch path module."""
+    from hal.kernelpacks.emu import torch_path
+    return torch_path
+
+
+def emu_call(module, out, p: Problem) -> None:
+    """The emu paths' internal signature (both paths share it)."""
+    module.paged_attention(out, p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, p.scale,
+                           1.0 if p.k_scale is None else p.k_scale, 1.0 if p.v_scale is None else p.v_scale,
+                           None, None, None, p.max_seq_len)
+
+
+def pick_subset(lens: list[int], budget: int = F64_TOKENS, seed: int = 0) -> list[int]:
+    n = len(lens)
+    if sum(lens) <= budget:
+        return list(range(n))
+    order = [max(range(n), key=lambda i: lens[i]), min(range(n), key=lambda i: lens[i])]
+    gen = torch.Generator().manual_seed(seed)
+    order += [i for i in torch.randperm(n, generator=gen).tolist() if i not in order]
+    chosen, tokens = [], 0
+    for i in order:
+        if len(chosen) >= 2 and tokens + lens[i] > budget:
+            break
+        chosen.append(i)
+        tokens += lens[i]
+    return sorted(set(chosen))
+
+
+def float64_outputs(p: Problem, seqs: list[int]) -> torch.Tensor:
+    """[len(seqs), h, d] float64 on the problem's device."""
+    n, h, d = p.query.shape
+    hkv, bs = p.shape.num_kv_heads, p.shape.block_size
+    g = h // hkv
+    ks = 1.0 if p.k_scale is None else p.k_scale
+    vs = 1.0 if p.v_scale is None else p.v_scale
+    outs = []
+    for i in seqs:
+        L = p.lens[i]
+        if L == 0:
+            outs.append(torch.zeros((h, d), dtype=torch.float64, device=p.device))
+            continue
+        blocks = p.block_tables[i, :p.pages(i)].to(torch.long)
+        k = p.key_cache[blocks].to(torch.float64).permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L] * ks
+        v = p.value_cache[blocks].to(torch.float64).permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L] * vs
+        q = p.query[i].to(torch.float64).reshape(hkv, g, d)
+        logits = q @ k.transpose(1, 2) * p.scale                        # [hkv, g, L]
+        w = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+        outs.append(((w / w.sum(dim=-1, keepdim=True)) @ v).reshape(h, d))
+    return torch.stack(outs)
+
+
+def worst_rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over sequences of ||out_i - ref_i|| / ||ref_i|| (absolute where ||ref_i|| is 0)."""
+    a = out.to(torch.float64).reshape(out.shape[0], -1)
+    b = ref.to(torch.float64).reshape(ref.shape[0], -1)
+    err = (a - b).norm(dim=1)
+    den = b.norm(dim=1)
+    rel = torch.where(den > 0, err / den.clamp_min(1e-300), err)
+    return float(rel.max()) if rel.numel() else 0.0
+
+
+@dataclasses.dataclass
+class Verdict:
+    ok: bool
+    err_all: float | None = None      # worst per-sequence rel L2 vs emu float32, every sequence
+    err_f64: float | None = None      # worst per-sequence rel L2 vs float64, the subset
+    max_abs: float | None = None
+    reason: str = ""
+
+
+class Reference:
+    def __init__(self, p: Problem, seed: int = 0):
+        self.problem = p
+        self.f32 = torch.empty(p.query.shape, dtype=torch.float32, device=p.device)
+        emu_call(emu_torch(), self.f32, p)
+        self.subset = pick_subset(p.lens, seed=seed)
+        self.f64 = float64_outputs(p, self.subset)
+        self.subset_index = torch.tensor(self.subset, dtype=torch.long, device=p.device)
+        self.ref_err = worst_rel_l2(self.f32[self.subset_index], self.f64)
+        self.ref_ok = math.isfinite(self.ref_err) and self.ref_err <= REF_TOLERANCE
+        self.tolerance = TOLERANCE.get(p.query.dtype, 2e-2)
+
+    def describe(self) -> str:
+        n = len(self.problem.lens)
+        which = "all" if len(self.subset) == n else f"{len(self.subset)} of {n}"
+        return (f"reference: emu torch path in float32 on every sequence; float64 on {which} sequences "
+                f"(emu float32 vs float64: {self.ref_err:.2e}{'' if self.ref_ok else ' -- REFERENCE SUSPECT'})")
+
+    def check(self, out: torch.Tensor) -> Verdict:
+        p = self.problem
+        if tuple(out.shape) != tuple(p.query.shape):
+            return Verdict(False, reason=f"output shape {tuple(out.shape)} != {tuple(p.query.shape)}")
+        bad = int((~torch.isfinite(out)).sum())
+        if bad:
+            return Verdict(False, reason=f"{bad} non-finite outputs (unwritten or NaN)")
+        err_all = worst_rel_l2(out, self.f32)
+        err_f64 = worst_rel_l2(out[self.subset_index], self.f64)
+        max_abs = float((out.to(torch.float64)[self.subset_index] - self.f64).abs().max())
+        tol = self.tolerance
+        fails = []
+        if not err_f64 <= tol:
+            fails.append(f"error vs float64 {err_f64:.2e} > {tol:.0e}")
+        if self.ref_ok and not err_all <= tol:
+            fails.append(f"error vs emu float32 {err_all:.2e} > {tol:.0e}")
+        return Verdict(not fails, err_all, err_f64, max_abs, "wrong: " + "; ".join(fails) if fails else "")
