@@ -105,3 +105,20 @@ def tolerance_ok(out: torch.Tensor, ref: np.ndarray, compute_rel: float = 1e-5) 
     err = np.abs(o - ref)
     worst = float((err / np.maximum(bound, 1e-300)).max(initial=0.0))
     return worst <= 1.0, f"worst error/bound = {worst:.3g}, max abs error {float(err.max(initial=0)):.3g}"
+
+
+# GPU kernels (the emu Triton path, native packs) round probabilities to 16 bits before the PV
+# product: each weight carries up to 2^-9 relative error, which averages to ~1e-3 in relative L2;
+# 5e-3 is the bound the project sets for them (issue: cuda pack targets). fp32 queries take an
+# IEEE fp32 path and keep the tight element-wise bound.
+GPU_REL_L2 = 5e-3
+
+
+def gpu_tolerance_ok(out: torch.Tensor, ref: np.ndarray) -> tuple[bool, str]:
+    if out.dtype == torch.float32:
+        return tolerance_ok(out, ref)
+    o = out.detach().cpu().to(torch.float64).numpy()
+    if not np.all(np.isfinite(o)):
+        return False, f"{int((~np.isfinite(o)).sum())} non-finite outputs (unwritten or NaN)"
+    rel = reference.relative_l2(o, ref)
+    return rel <= GPU_REL_L2, f"relative L2 error {rel:.3g} (bound {GPU_REL_L2})"

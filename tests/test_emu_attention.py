@@ -11,11 +11,17 @@ import pytest
 import torch
 
 import hal
-from cases import FP8, alibi_slopes, make_case, tolerance_ok
+from cases import FP8, alibi_slopes, make_case, tolerance_ok, gpu_tolerance_ok
 from hal.kernelpacks.emu import pack as emu_pack
 from hal.kernelpacks.emu import torch_path
 
 pytestmark = pytest.mark.emu
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """cpu runs the PyTorch path; cuda runs whatever emu picks there (Triton when installed)."""
+    return request.param
 
 SUPPORT = emu_pack.SUPPORT
 HEAD_SIZES = sorted({min(SUPPORT.head_sizes), 40, 64, 72, 128, max(SUPPORT.head_sizes)})
@@ -33,41 +39,45 @@ def _run(case, **kw):
     return out
 
 
+def _ok(out, ref):
+    return (gpu_tolerance_ok if out.is_cuda else tolerance_ok)(out, ref)
+
+
 def _check(case, **kw):
     out = _run(case, **kw)
-    ok, msg = tolerance_ok(out, case.reference())
+    ok, msg = _ok(out, case.reference())
     assert ok, msg
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
-def test_every_cache_encoding(cache_dtype):
-    _check(make_case(seq_lens=LENS, cache_dtype=cache_dtype))
+def test_every_cache_encoding(cache_dtype, device):
+    _check(make_case(device=device, seq_lens=LENS, cache_dtype=cache_dtype))
 
 
 @pytest.mark.parametrize("query_dtype", sorted(SUPPORT.query_dtypes, key=str), ids=str)
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2fnuz], ids=str)
-def test_query_dtypes(query_dtype, cache_dtype):
-    _check(make_case(seq_lens=LENS, query_dtype=query_dtype, cache_dtype=cache_dtype))
+def test_query_dtypes(query_dtype, cache_dtype, device):
+    _check(make_case(device=device, seq_lens=LENS, query_dtype=query_dtype, cache_dtype=cache_dtype))
 
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_head_and_block_sizes(head_size, block_size):
+def test_head_and_block_sizes(head_size, block_size, device):
     lens = [1, 2 * block_size, 3 * block_size + 1, 300]
-    _check(make_case(seq_lens=lens, head_size=head_size, block_size=block_size, seed=head_size + block_size))
+    _check(make_case(device=device, seq_lens=lens, head_size=head_size, block_size=block_size, seed=head_size + block_size))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1), (16, 2), (16, 1), (32, 2), (12, 3)],
                          ids=lambda x: str(x))
-def test_gqa_ratios_and_mqa(heads, kv_heads):
-    _check(make_case(seq_lens=[5, 77, 160], num_heads=heads, num_kv_heads=kv_heads,
+def test_gqa_ratios_and_mqa(heads, kv_heads, device):
+    _check(make_case(device=device, seq_lens=[5, 77, 160], num_heads=heads, num_kv_heads=kv_heads,
                      cache_dtype=torch.float8_e4m3fnuz))
 
 
 @pytest.mark.parametrize("scales", ["float", "tensor0d", "per_head"])
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
-def test_scale_forms(scales, cache_dtype):
-    _check(make_case(seq_lens=[40, 3], cache_dtype=cache_dtype, num_kv_heads=4,
+def test_scale_forms(scales, cache_dtype, device):
+    _check(make_case(device=device, seq_lens=[40, 3], cache_dtype=cache_dtype, num_kv_heads=4,
                      per_head_scales=scales == "per_head", scale_as_tensor=scales == "tensor0d"))
 
 
@@ -82,28 +92,28 @@ FEATURES = {
 
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
-def test_features_alone_and_combined(feature, cache_dtype):
-    _check(make_case(seq_lens=[0, 1, 18, 19, 20, 130], cache_dtype=cache_dtype, per_head_scales=True,
+def test_features_alone_and_combined(feature, cache_dtype, device):
+    _check(make_case(device=device, seq_lens=[0, 1, 18, 19, 20, 130], cache_dtype=cache_dtype, per_head_scales=True,
                      **FEATURES[feature]))
 
 
-def test_shared_blocks_between_sequences():
-    _check(make_case(seq_lens=[100, 90, 64, 81], share_prefix=True))
+def test_shared_blocks_between_sequences(device):
+    _check(make_case(device=device, seq_lens=[100, 90, 64, 81], share_prefix=True))
 
 
-def test_softmax_merges_across_chunks(monkeypatch):
+def test_softmax_merges_across_chunks(monkeypatch, device):
     # Force one block per chunk so the online-softmax merge runs many times.
     monkeypatch.setattr(torch_path, "_CHUNK_ELEMENTS", 1)
-    _check(make_case(seq_lens=[1, 45, 200], block_size=8, alibi_slopes=alibi_slopes(8), sliding_window=70))
+    _check(make_case(device=device, seq_lens=[1, 45, 200], block_size=8, alibi_slopes=alibi_slopes(8), sliding_window=70))
 
 
-def test_max_seq_len_hint_and_long_context():
-    case = make_case(seq_lens=[5000, 1, 2049], block_size=64, cache_dtype=torch.float8_e5m2)
+def test_max_seq_len_hint_and_long_context(device):
+    case = make_case(device=device, seq_lens=[5000, 1, 2049], block_size=64, cache_dtype=torch.float8_e5m2)
     _check(case, max_seq_len=5000)
 
 
-def test_default_scale_is_head_size_power():
-    case = make_case(seq_lens=[30])
+def test_default_scale_is_head_size_power(device):
+    case = make_case(device=device, seq_lens=[30])
     a = _run(case)
     b = _run(case, scale=case.query.shape[-1] ** -0.5)
     assert torch.equal(a, b)
@@ -111,38 +121,38 @@ def test_default_scale_is_head_size_power():
     assert not torch.equal(a, c)
 
 
-def test_out_is_allocated_when_absent():
-    case = make_case(seq_lens=[3, 9])
+def test_out_is_allocated_when_absent(device):
+    case = make_case(device=device, seq_lens=[3, 9])
     out = hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                               case.seq_lens, k_scale=case.k_scale, v_scale=case.v_scale)
     assert out.shape == case.query.shape and out.dtype == case.query.dtype
-    ok, msg = tolerance_ok(out, case.reference())
+    ok, msg = _ok(out, case.reference())
     assert ok, msg
 
 
-def test_strided_blocks_of_a_combined_kv_allocation():
-    case = make_case(seq_lens=[20, 7])
+def test_strided_blocks_of_a_combined_kv_allocation(device):
+    case = make_case(device=device, seq_lens=[20, 7])
     kv = torch.stack([case.key_cache, case.value_cache], dim=1)  # [blocks, 2, hkv, bs, d]
     out = case.poisoned_out()
     hal.paged_attention(case.query, kv[:, 0], kv[:, 1], case.block_tables, case.seq_lens,
                         k_scale=case.k_scale, v_scale=case.v_scale, out=out)
-    ok, msg = tolerance_ok(out, case.reference())
+    ok, msg = _ok(out, case.reference())
     assert ok, msg
 
 
-def test_strided_query_rows():
-    case = make_case(seq_lens=[20, 7])
+def test_strided_query_rows(device):
+    case = make_case(device=device, seq_lens=[20, 7])
     wide = torch.cat([case.query, torch.randn_like(case.query)], dim=1)  # a fused-qkv style view
     q = wide[:, : case.query.shape[1]]
     assert not q.is_contiguous()
     out = hal.paged_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                               k_scale=case.k_scale, v_scale=case.v_scale)
-    ok, msg = tolerance_ok(out, case.reference())
+    ok, msg = _ok(out, case.reference())
     assert ok, msg
 
 
-def test_no_sequences():
-    case = make_case(seq_lens=[4])
+def test_no_sequences(device):
+    case = make_case(device=device, seq_lens=[4])
     q = case.query[:0]
     out = hal.paged_attention(q, case.key_cache, case.value_cache, case.block_tables[:0],
                               case.seq_lens[:0], k_scale=case.k_scale, v_scale=case.v_scale)
