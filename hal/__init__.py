@@ -16,7 +16,9 @@ import logging
 from hal import env, fp8
 from hal.api import cache_kv, explain, paged_attention
 from hal.dispatch import Decision, NotSupportedError
+from hal.observer import KVScaleObserver
 from hal.pack import Availability, CallKey, OpSupport, Pack
+from hal.scales import KVScaleError, KVScales, load_kv_scales
 from hal.targets import Target, target
 from hal.validate import ArgumentError
 
@@ -25,8 +27,9 @@ logging.getLogger("hal").addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentError", "Availability", "CallKey", "Decision", "NotSupportedError", "OpSupport", "Pack",
-    "Target", "cache_kv", "env", "explain", "fp8", "packs", "paged_attention", "target",
+    "ArgumentError", "Availability", "CallKey", "Decision", "KVScaleError", "KVScaleObserver", "KVScales",
+    "NotSupportedError", "OpSupport", "Pack", "Target", "cache_kv", "env", "explain", "fp8",
+    "load_kv_scales", "packs", "paged_attention", "target",
 ]
 
 
