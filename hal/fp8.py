@@ -203,7 +203,8 @@ def encode(x: torch.Tensor, dtype: torch.dtype | Encoding, scale=1.0, *, head_di
     """
     enc = encoding_of(dtype)
     s = _as_scale_tensor(scale, x, head_dim)
-    q = x.to(torch.float32) / s
+    # A tensor divisor: with a Python float, CUDA torch multiplies by the reciprocal instead of dividing.
+    q = x.to(torch.float32) / torch.as_tensor(s, dtype=torch.float32, device=x.device)
     return encode_bytes(q, enc).view(enc.dtype)
 
 

@@ -96,8 +96,9 @@ def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     blk, off = slots // bs, slots % bs
     for x, cache, s in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         rows = x[keep].to(torch.float32)
-        if isinstance(s, torch.Tensor):
-            s = s.to(torch.float32).reshape(-1).expand(hkv).reshape(1, hkv, 1)
+        # A tensor divisor on the rows' device: with a Python float, CUDA torch multiplies by the
+        # reciprocal, which differs from true division at rounding ties (hal.fp8 defines x / scale).
+        s = torch.as_tensor(s, dtype=torch.float32, device=rows.device).reshape(-1).expand(hkv).reshape(1, hkv, 1)
         if fp8.is_fp8(cache.dtype):
             cache.view(torch.uint8)[blk, :, off] = fp8.encode_bytes(rows / s, cache.dtype)
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -65,19 +65,45 @@ def encode_fp8(q, MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, MAX
 
 
 @triton.jit
-def _load_tile(cache_ptr, rows, dims, mask, FP8: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr,
-               BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
-    """A gathered K or V tile as float32 (masked elements are 0, never NaN: they meet p = 0)."""
+def decode_fp8_fp16(raw, EXP: tl.constexpr, FNUZ: tl.constexpr):
+    """uint8 FP8 bytes -> float16 holding ``value * 2^(bias - 15)``, exactly, for every encoding but
+    e5m2fnuz (its top binade would land on float16's inf/NaN exponent).
+
+    The FP8 exponent and mantissa fields are placed straight into float16's fields: subnormals line up
+    with float16 subnormals and e5m2's inf/NaN with float16's. Callers fold ``2^(15 - bias)`` into
+    their scales. Three integer ops per value instead of the general decode's dozen.
+    """
+    x = raw.to(tl.int32)
+    if EXP == 4:
+        bits = ((x & 0x7F) << 7) | ((x & 0x80) << 8)
+    else:
+        bits = x << 8
+    h = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    if FNUZ:
+        h = tl.where(x == 0x80, float("nan"), h)
+    elif EXP == 4:
+        h = tl.where((x & 0x7F) == 0x7F, float("nan"), h)
+    return h
+
+
+@triton.jit
+def _load_tile(cache_ptr, rows, dims, mask, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr,
+               MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
+    """A gathered K or V tile (masked elements are 0, never NaN: they meet p = 0). FP8 comes back
+    scaled by 2^(bias-15) when FAST16, else as exact float32; other caches in their own dtype."""
     raw = tl.load(cache_ptr + rows + dims, mask=mask, other=0)
-    if FP8:
-        return decode_fp8(raw, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
-    return raw.to(tl.float32)
+    if FP8:  # one return: Triton checks every return's type, even in untaken constexpr branches
+        if FAST16:
+            raw = decode_fp8_fp16(raw, EXP, FNUZ)
+        else:
+            raw = decode_fp8(raw, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    return raw
 
 
 @triton.jit
 def _tanh(x):
     # exp-based (the interpreter has no libdevice); |error| ~1e-7, negligible against the cap.
-    t = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+    t = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
     y = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -y, y)
 
@@ -87,11 +113,11 @@ def attn_partition_kernel(
     out_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, ks_ptr, vs_ptr, alibi_ptr,
     ws_m_ptr, ws_l_ptr, ws_acc_ptr,
     qk_scale, v_scale, soft_cap, window, num_heads, num_parts,
-    stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_vb, stride_bt,
+    stride_qn, stride_qh, stride_on, stride_oh, stride_kb, stride_vb, stride_bt, stride_bt_col,
     G: tl.constexpr, G_TILE: tl.constexpr, NUM_TILES: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BS: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr,
-    SUBNORMAL: tl.constexpr, DOT16: tl.constexpr,
+    FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
+    FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr, DOT16: tl.constexpr,
     K_SCALE_STRIDE: tl.constexpr, V_SCALE_STRIDE: tl.constexpr,  # -1: host float, 0: 0-d, 1: per head
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr,
 ):
@@ -135,16 +161,16 @@ def attn_partition_kernel(
         toks = n0 + tl.arange(0, BLOCK_N)
         tok_ok = toks < end
         # Only table entries of live tokens are read: entries past a sequence's blocks may be junk.
-        phys = tl.load(bt_ptr + seq64 * stride_bt + toks // BS, mask=tok_ok, other=0).to(tl.int64)
+        phys = tl.load(bt_ptr + seq64 * stride_bt + (toks // BS) * stride_bt_col, mask=tok_ok, other=0).to(tl.int64)
         slot = head_off + (toks % BS) * D
 
         k_rows = phys * stride_kb + slot
         kt = _load_tile(kc_ptr, k_rows[None, :], dims[:, None], tok_ok[None, :] & dim_ok[:, None],
-                        FP8, EXP, MAN, BIAS, FNUZ, SUBNORMAL)  # [D_PAD, BLOCK_N]
+                        FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)  # [D_PAD, BLOCK_N]
         if DOT16:  # FP8 and same-dtype values are exact in the query's 16-bit type
             s = tl.dot(q, kt.to(q.dtype))
         else:
-            s = tl.dot(q, kt, input_precision="ieee")
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
         s = s * qk_scale
         if HAS_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -159,29 +185,29 @@ def attn_partition_kernel(
 
         v_rows = phys * stride_vb + slot
         v = _load_tile(vc_ptr, v_rows[:, None], dims[None, :], tok_ok[:, None] & dim_ok[None, :],
-                       FP8, EXP, MAN, BIAS, FNUZ, SUBNORMAL)  # [BLOCK_N, D_PAD]
+                       FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)  # [BLOCK_N, D_PAD]
         if DOT16:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         else:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if DIRECT:
         if V_SCALE_STRIDE >= 0:
-            v_scale = tl.load(vs_ptr + kvh * V_SCALE_STRIDE)
+            v_scale = v_scale * tl.load(vs_ptr + kvh * V_SCALE_STRIDE)
         res = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
         res = tl.where((l_i > 0)[:, None], res, 0.0)  # empty sequence (or window) -> zeros
         tl.store(out_ptr + seq64 * stride_on + heads[:, None] * stride_oh + dims[None, :],
                  res.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Empty partitions write nothing; the merge derives which partitions are live from L.
-        live = start < end
+        live = (rows * 0 + start) < end  # a vector: the interpreter rejects scalar & tensor masks
         ws_row = (seq64 * num_heads + heads) * num_parts + part
         tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok & live)
         tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok & live)
-        tl.store(ws_acc_ptr + ws_row[:, None] * D + dims[None, :], acc, mask=out_mask & live)
+        tl.store(ws_acc_ptr + ws_row[:, None] * D + dims[None, :], acc, mask=out_mask & live[:, None])
 
 
 @triton.jit
@@ -225,7 +251,7 @@ def attn_merge_kernel(
         acc += w[:, None] * part_acc
     l_sum = tl.sum(total, 0)
     if V_SCALE_STRIDE >= 0:
-        v_scale = tl.load(vs_ptr + (head // G) * V_SCALE_STRIDE)
+        v_scale = v_scale * tl.load(vs_ptr + (head // G) * V_SCALE_STRIDE)
     res = tl.sum(acc, 0) * (v_scale / tl.maximum(l_sum, 1e-30))
     res = tl.where(l_sum > 0, res, 0.0)
     tl.store(out_ptr + seq64 * stride_on + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty),
@@ -265,13 +291,13 @@ def cache_kv_kernel(
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * H_TILE + tl.arange(0, H_TILE)
     dims = tl.arange(0, D_PAD)
-    slot = tl.load(slot_ptr + tok)
+    slot = tl.load(slot_ptr + tok + heads * 0)  # per head row: the interpreter rejects scalar masks
+    head_ok = heads < num_kv_heads
     ok = (slot >= 0) & (slot < num_slots)
     slot = tl.where(ok, slot, 0)
-    blk = slot // BS
-    off = slot % BS
-    head_ok = heads < num_kv_heads
-    mask = ok & head_ok[:, None] & (dims < D)[None, :]
+    blk = slot[:, None] // BS
+    off = slot[:, None] % BS
+    mask = (ok & head_ok)[:, None] & (dims < D)[None, :]
     _write_rows(key_ptr, stride_kt, stride_kh, kc_ptr, stride_kcb, ks_ptr, k_scale, tok, heads, head_ok, dims,
                 mask, blk, off, D, BS, K_SCALE_STRIDE, FP8, MAN, BIAS, FNUZ, MAX_BYTE, NAN_BYTE)
     _write_rows(val_ptr, stride_vt, stride_vh, vc_ptr, stride_vcb, vs_ptr, v_scale, tok, heads, head_ok, dims,
