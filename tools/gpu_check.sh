@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 python3 tools/probe > "$OUT/probe.txt" 2>&1; tail -4 "$OUT/probe.txt"
-timeout 420 python3 -m pytest -q -m "emu or gpu" tests -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+timeout 420 python3 -m pytest -q -m "emu or gpu" tests -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
 if [ -n "${1:-}" ]; then
   timeout 300 python3 tools/bench --device cuda --shapes "$1" --kv-dtype bf16,e4m3fn \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40
