@@ -48,9 +48,9 @@ def pick_subset(lens: list[int], budget: int = F64_TOKENS, seed: int = 0) -> lis
     n = len(lens)
     if sum(lens) <= budget:
         return list(range(n))
-    order = [max(range(n), key=lambda i: lens[i]), min(range(n), key=lambda i: lens[i])]
     gen = torch.Generator().manual_seed(seed)
-    order += [i for i in torch.randperm(n, generator=gen).tolist() if i not in order]
+    order = list(dict.fromkeys([max(range(n), key=lambda i: lens[i]), min(range(n), key=lambda i: lens[i])]
+                               + torch.randperm(n, generator=gen).tolist()))
     chosen, tokens = [], 0
     for i in order:
         if len(chosen) >= 2 and tokens + lens[i] > budget:
@@ -106,7 +106,12 @@ class Reference:
     def __init__(self, p: Problem, seed: int = 0):
         self.problem = p
         self.f32 = torch.empty(p.query.shape, dtype=torch.float32, device=p.device)
-        emu_call(emu_torch(), self.f32, p)
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # no TF32 in the float32 reference
+        try:
+            emu_call(emu_torch(), self.f32, p)
+        finally:
+            torch.set_float32_matmul_precision(precision)
         self.subset = pick_subset(p.lens, seed=seed)
         self.f64 = float64_outputs(p, self.subset)
         self.subset_index = torch.tensor(self.subset, dtype=torch.long, device=p.device)

@@ -51,40 +51,60 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
     def run(self, fn: Callable[[], object], reps: int, warmup: int = 0, budget_s: float | None = None) -> Timing:
-        """``warmup`` untimed-for-the-result calls (their times decide how many reps fit ``budget_s``,
-        at least 3), then the reps; median and min of the reps."""
-        est = None
-        for _ in range(max(1, warmup)):
-            t = self._one(fn)
-            est = t if est is None else min(est, t)
-        if budget_s is not None and est and est > 0:
-            reps = max(3, min(reps, int(budget_s / est)))
-        samples = self._many(fn, reps)
-        return Timing(statistics.median(samples), min(samples), len(samples), samples)
+        """One callable: see :meth:`interleaved`."""
+        result = self.interleaved({"fn": fn}, reps, warmup, budget_s)["fn"]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-    def _one(self, fn) -> float:
-        return self._many(fn, 1)[0]
+    def interleaved(self, fns: dict[str, Callable[[], object]], reps: int, warmup: int = 0,
+                    budget_s: float | None = None) -> dict[str, Timing | BaseException]:
+        """Time several callables in turns (rep 1 of each, then rep 2 of each, ...), so a change in
+        the machine's load during the run hits every contender alike.
 
-    def _many(self, fn, reps: int) -> list[float]:
+        Each callable first gets ``warmup`` calls (at least one); the fastest of them estimates its
+        time, and its reps are cut to fit ``budget_s`` (at least 3). A callable that raises is
+        dropped and its exception returned in its place. Median and min of the reps."""
+        results: dict[str, Timing | BaseException] = {}
+        todo: dict[str, int] = {}
+        for name, fn in fns.items():
+            try:
+                est = min(self._calls([fn]) for _ in range(max(1, warmup)))
+            except Exception as exc:  # noqa: BLE001
+                results[name] = exc
+                continue
+            n = reps
+            if budget_s is not None and est > 0:
+                n = max(3, min(reps, int(budget_s / est)))
+            todo[name] = n
+        samples: dict[str, list[float]] = {name: [] for name in todo}
+        for r in range(max(todo.values(), default=0)):
+            turn = [name for name in todo if r < todo[name] and name not in results]
+            for name in turn:
+                try:
+                    samples[name].append(self._calls([fns[name]]))
+                except Exception as exc:  # noqa: BLE001
+                    results[name] = exc
+        for name, xs in samples.items():
+            if name not in results:
+                results[name] = Timing(statistics.median(xs), min(xs), len(xs), xs)
+        return {name: results[name] for name in fns}
+
+    def _calls(self, fns) -> float:
+        """Time of one call (the cache flushed first); on a GPU, waits for it."""
+        fn = fns[0]
+        self._flush()
         if self.cuda:
-            pairs = []
-            for _ in range(reps):
-                self._flush()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize(self.device)
-            return [s.elapsed_time(e) / 1e3 for s, e in pairs]
-        out = []
-        for _ in range(reps):
-            self._flush()
-            t0 = time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
             fn()
-            out.append(time.perf_counter() - t0)
-        return out
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
 
 @dataclasses.dataclass

@@ -1,0 +1,128 @@
+"""Rendering a run: a rich table (the copy bandwidth first), the JSON file, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+STATUS_STYLE = {"ok": "green", "FAIL": "bold red", "skip": "dim"}
+
+
+def _f(x, fmt: str) -> str:
+    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def render(result: dict, console: Console) -> None:
+    dev = result["device"]
+    copy = result["copy_bandwidth"]
+    s = result["settings"]
+    console.print(f"[bold]hal-bench[/] on {dev['type']}: {dev.get('name', '')} (torch {dev['torch']}, "
+                  f"hal {dev['hal']})")
+    console.print(f"[bold]copy bandwidth: {copy['gbps']:.1f} GB/s[/] ({copy['method']})")
+    load = result.get("load_average") or {}
+    if dev["type"] == "cpu" and load.get("before"):
+        console.print(f"[dim]load average (1/5/15 min) before {load['before']}, after {load['after']} on "
+                      f"{dev.get('cpus')} CPUs, {dev.get('torch_threads')} torch threads: CPU timings need a quiet "
+                      f"machine[/]")
+    # a contender skipped for one and the same reason on every problem gets one line under the table
+    rows = result["rows"]
+    reasons: dict[str, set] = {}
+    for r in rows:
+        reasons.setdefault(r["contender"], set()).add(r["reason"] if r["status"] == "skip" else None)
+    skipped_everywhere = {c: next(iter(rs)) for c, rs in reasons.items() if len(rs) == 1 and None not in rs}
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+    for col, kw in (("shape", {}), ("kv", {}), ("contender", {}), ("status", {}),
+                    ("time µs", {"justify": "right"}), ("GB/s", {"justify": "right"}),
+                    ("of copy", {"justify": "right"}), (f"vs {s['baseline']}", {"justify": "right"}),
+                    ("err all", {"justify": "right"}), ("err f64", {"justify": "right"}),
+                    ("note / reason", {"overflow": "fold", "max_width": 60})):
+        table.add_column(col, **kw)
+    previous = None
+    for r in rows:
+        if r["contender"] in skipped_everywhere:
+            continue
+        key = (r["shape"], r["kv_dtype"])
+        if previous is not None and key != previous:
+            table.add_section()
+        first = key != previous
+        previous = key
+        speed = r["speedup_vs_baseline"]
+        table.add_row(
+            r["shape"] if first else "", r["kv_dtype"] if first else "", r["contender"],
+            Text(r["status"], style=STATUS_STYLE.get(r["status"], "")),
+            _f(r["time_us"], ",.1f"), _f(r["GBps"], ".2f"), _f(r["fraction_of_copy"], ".3f"),
+            "" if speed is None else f"{speed:.2f}x",
+            _f(r["err_all"], ".1e"), _f(r["err_f64"], ".1e"),
+            " ".join(x for x in (r["note"], r["reason"]) if x))
+    console.print(table)
+    for name, why in skipped_everywhere.items():
+        console.print(f"[dim]{name}: skipped on every problem: {why}[/]")
+    tol = sorted({r["tolerance"] for r in result["rows"] if r["tolerance"] is not None})
+    console.print(
+        f"[dim]time: median of the timed reps after warm-up ({s['timer']}, caches flushed between calls); "
+        f"GB/s: bytes the op must move (KV referenced + query + output + block table + seq_lens) / time; "
+        f"of copy: GB/s / copy bandwidth. Checked before timing: err all = worst per-sequence relative L2 "
+        f"error vs the emu torch path in float32 (every sequence), err f64 = the same vs float64 on a subset "
+        f"of sequences; tolerance {', '.join(f'{t:.0e}' for t in tol) or '-'}. A FAIL row is not timed.[/]")
+    for prob in result["problems"]:
+        if not prob.get("reference_ok", True) or prob.get("error"):
+            console.print(f"[red]{prob['shape']['spec']} {prob['kv_dtype']}: "
+                          f"{prob.get('error') or prob['reference']}[/]")
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path
+
+
+def plot(result: dict, path: str | Path) -> tuple[Path | None, str]:
+    """A grouped bar chart of the fraction of copy bandwidth per problem and contender. Returns the
+    path written, or None and the reason it was skipped."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # ImportError or a broken backend
+        return None, f"plot skipped: matplotlib is not importable ({type(exc).__name__}: {exc})"
+    ok = [r for r in result["rows"] if r["status"] == "ok" and r["fraction_of_copy"] is not None]
+    if not ok:
+        return None, "plot skipped: no timed rows"
+    groups = list(dict.fromkeys(f"{r['shape']}\n{r['kv_dtype']}" for r in ok))
+    names = list(dict.fromkeys(r["contender"] for r in ok))
+    frac = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): r["fraction_of_copy"] for r in ok}
+    speed = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): r["speedup_vs_baseline"] for r in ok
+             if r["speedup_vs_baseline"]}
+    width = 0.8 / max(1, len(names))
+    fig, axes = plt.subplots(2, 1, sharex=True,
+                             figsize=(max(7.0, 0.3 * len(groups) * max(2, len(names)) + 2), 7.5))
+    for ax, values, label in ((axes[0], frac, "fraction of copy bandwidth"),
+                              (axes[1], speed, f"speed-up vs {result['settings']['baseline']}")):
+        for j, name in enumerate(names):
+            xs = [i + (j - (len(names) - 1) / 2) * width for i, g in enumerate(groups) if (g, name) in values]
+            ys = [values[(g, name)] for g in groups if (g, name) in values]
+            ax.bar(xs, ys, width, label=name)
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(axis="y", linewidth=0.3)
+    if max(frac.values()) > 0.5:
+        axes[0].axhline(1.0, color="grey", linewidth=0.6)
+    axes[1].axhline(1.0, color="grey", linewidth=0.6)
+    axes[1].set_xticks(range(len(groups)))
+    axes[1].set_xticklabels(groups, fontsize=7, rotation=30 if len(groups) > 6 else 0)
+    dev = result["device"]
+    axes[0].set_title(f"hal-bench on {dev.get('name', dev['type'])}: copy bandwidth "
+                      f"{result['copy_bandwidth']['gbps']:.0f} GB/s", fontsize=9)
+    axes[0].legend(fontsize=7, ncol=min(4, len(names)))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"plot written to {path}"

@@ -1,0 +1,106 @@
+"""hal-bench: time every available hal pack and the baselines side by side, each checked first.
+
+    hal-bench [--shapes issue|sweep|cpu|SPEC ...] [--kv-dtype bf16,e4m3fn] [--device cpu|cuda]
+              [--reps N] [--json PATH] [--plot PATH] [--contenders NAME|GLOB ...]
+
+A SPEC is BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16.
+See docs/bench.md for what each column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import torch
+from rich.console import Console
+from rich.logging import RichHandler
+
+from hal.bench import contenders as contenders_mod
+from hal.bench import data, report, runner, shapes
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hal-bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="shape sets: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in shapes.SETS.items()))
+    ap.add_argument("--shapes", nargs="+", metavar="SET|SPEC",
+                    help="shape sets (issue, sweep, cpu) and/or SPECs; default: issue on a GPU, cpu on the CPU")
+    ap.add_argument("--kv-dtype", default="bf16,e4m3fn",
+                    help="KV cache dtypes, comma-separated: bf16, fp16, e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, fp8 "
+                         "(= this machine's native e4m3); default bf16,e4m3fn")
+    ap.add_argument("--query-dtype", default="bf16", choices=("bf16", "fp16"), help="query/output dtype")
+    ap.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when a GPU is visible, else cpu")
+    ap.add_argument("--reps", type=int, help="timed reps per row (median reported); default 20 GPU, 5 CPU")
+    ap.add_argument("--warmup", type=int, help="untimed calls after the checked one; default 3 GPU, 1 CPU")
+    ap.add_argument("--budget", type=float,
+                    help="seconds of timed reps per row; reps are cut to fit, at least 3 (default 10 GPU, 3 CPU)")
+    ap.add_argument("--contenders", nargs="+", metavar="NAME|GLOB",
+                    help="which contenders (comma-separated or repeated, globs allowed); default all; "
+                         f"{contenders_mod.BASELINE} is always kept")
+    ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (torch.set_num_threads); default torch's")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-flush", action="store_true", help="do not flush caches between timed calls")
+    ap.add_argument("--flashinfer-jit", action="store_true",
+                    help="let FlashInfer compile modules that were not prebuilt (slow; off by default)")
+    ap.add_argument("--list", action="store_true", help="list shape sets and contenders, then exit")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = Console(width=None if sys.stdout.isatty() else 200)  # a file or pipe gets whole rows
+    err = Console(stderr=True)
+    if args.list:
+        for name, specs in shapes.SETS.items():
+            out.print(f"[bold]{name}[/]: {' '.join(specs)}")
+        for c in contenders_mod.all_contenders():
+            out.print(f"[bold]{c.name}[/] ({c.kind}): {c.what}")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        err.print("[red]--device cuda: no GPU is visible to torch[/]")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    try:
+        shape_list = shapes.resolve(args.shapes or (["issue"] if gpu else ["cpu"]))
+        kv_dtypes = data.parse_dtypes(args.kv_dtype)
+        chosen = contenders_mod.select(args.contenders)
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/]")
+        return 2
+    if not shape_list or not kv_dtypes:
+        err.print("[red]nothing to run: no shapes or no KV dtypes[/]")
+        return 2
+    opts = runner.Options(
+        device=device, reps=args.reps or (20 if gpu else 5), warmup=args.warmup if args.warmup is not None else
+        (3 if gpu else 1), budget_s=args.budget if args.budget is not None else (10.0 if gpu else 3.0),
+        seed=args.seed, query_dtype=data.DTYPES[args.query_dtype], flashinfer_jit=args.flashinfer_jit,
+        flush=not args.no_flush)
+
+    handler = RichHandler(console=err, show_path=False)
+    hal_log = logging.getLogger("hal")
+    hal_log.addHandler(handler)
+    try:
+        with err.status("starting") as status:
+            result = runner.run(opts, shape_list, kv_dtypes, chosen, progress=lambda s: status.update(s))
+    finally:
+        hal_log.removeHandler(handler)
+    result["command"] = ["hal-bench"] + list(sys.argv[1:] if argv is None else argv)
+    report.render(result, out)
+    if args.plot:
+        path, msg = report.plot(result, args.plot)
+        result["plot"] = {"path": str(path) if path else None, "message": msg}
+        out.print(msg)
+    if args.json:
+        out.print(f"JSON written to {report.write_json(result, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
