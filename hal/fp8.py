@@ -34,6 +34,7 @@ __all__ = [
     "encoding_of",
     "is_fp8",
     "decode_table",
+    "decode_values",
     "encode",
     "decode",
     "encode_bytes",
@@ -159,6 +160,32 @@ def decode_table(encoding: Encoding | torch.dtype, dtype: torch.dtype = torch.fl
     return _table_cache(encoding_of(encoding), dtype, torch.device(device))
 
 
+@functools.cache
+def _torch_cast_is_exact(dtype: torch.dtype, device: str) -> bool:
+    """Whether torch's own float8 -> float32 cast equals the decode table on every byte (NaN as NaN)
+    on this device; checked once per encoding and device."""
+    try:
+        got = torch.arange(256, dtype=torch.uint8, device=device).view(dtype).to(torch.float32).cpu()
+        ref = _table_cache(ENCODINGS[dtype], torch.float32, torch.device("cpu"))
+        return bool(((got == ref) | (torch.isnan(got) & torch.isnan(ref))).all())
+    except Exception:  # a torch without this cast on this device
+        return False
+
+
+def decode_values(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The numbers float8 bytes hold (no scale), exactly, as float32 (into ``out`` if given).
+
+    Uses torch's cast where it was verified to equal the bit-layout table for all 256 bytes on this
+    device (one fused pass, several times faster on CPUs); otherwise the table.
+    """
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if _torch_cast_is_exact(q.dtype, str(q.device)):
+        return out.copy_(q)
+    table = decode_table(q.dtype, torch.float32, q.device)
+    return out.copy_(table[q.view(torch.uint8).to(torch.int32)])
+
+
 def encode_bytes(x: torch.Tensor, encoding: Encoding | torch.dtype) -> torch.Tensor:
     """Round ``x`` (any float dtype) to the encoding's nearest value, ties to even, saturating.
 
@@ -211,9 +238,8 @@ def encode(x: torch.Tensor, dtype: torch.dtype | Encoding, scale=1.0, *, head_di
 def decode(q: torch.Tensor, scale=1.0, out_dtype: torch.dtype = torch.float32, *,
            head_dim: int | None = None) -> torch.Tensor:
     """``decode(byte) * scale`` for a float8 tensor, in float32, then cast to ``out_dtype``."""
-    enc = encoding_of(q.dtype)
-    table = decode_table(enc, torch.float32, q.device)
-    values = table[q.view(torch.uint8).to(torch.int32)]
+    encoding_of(q.dtype)  # a clear error for non-FP8 input
+    values = decode_values(q)
     s = _as_scale_tensor(scale, values, head_dim)
     return (values * s).to(out_dtype)
 

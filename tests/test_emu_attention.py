@@ -103,7 +103,7 @@ def test_shared_blocks_between_sequences(device):
 
 def test_softmax_merges_across_chunks(monkeypatch, device):
     # Force one block per chunk so the online-softmax merge runs many times.
-    monkeypatch.setattr(torch_path, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(torch_path, "_CHUNK_ELEMENTS", {"cpu": 1, "cuda": 1})
     _check(make_case(device=device, seq_lens=[1, 45, 200], block_size=8, alibi_slopes=alibi_slopes(8), sliding_window=70))
 
 

@@ -15,8 +15,10 @@ import torch
 
 from hal import fp8
 
-# Elements of float32 K (or V) one chunk may hold: 2**24 * 4 bytes = 64 MiB each.
-_CHUNK_ELEMENTS = 1 << 24
+# Elements of float32 K (or V) one chunk may hold: 16 MiB on CPUs (temporaries that stay in the
+# allocator's reuse range and in cache), 64 MiB on GPUs.
+_CHUNK_ELEMENTS = {"cpu": 1 << 22}
+_CHUNK_ELEMENTS_DEFAULT = 1 << 24
 
 
 def _per_head(s, hkv: int, device) -> torch.Tensor | float:
@@ -27,12 +29,21 @@ def _per_head(s, hkv: int, device) -> torch.Tensor | float:
 
 
 def _gather_decode(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache[blocks] as float32 [n, nblk, hkv, bs, d]; FP8 bytes through the decode table."""
+    """The pages ``blocks`` [n, nblk] of ``cache`` as float32 [n, hkv, nblk * bs, d].
+
+    Pages are gathered and put in head-major order while still 1 byte (FP8) or 2 bytes wide, then
+    widened once into the final layout; FP8 bytes decode exactly (hal.fp8.decode_values).
+    """
+    n, nblk = blocks.shape
+    _, hkv, bs, d = cache.shape
+    raw = cache.view(torch.uint8) if fp8.is_fp8(cache.dtype) else cache
+    pages = raw[blocks].permute(0, 2, 1, 3, 4).contiguous()         # [n, hkv, nblk, bs, d]
+    out = torch.empty((n, hkv, nblk * bs, d), dtype=torch.float32, device=cache.device)
     if fp8.is_fp8(cache.dtype):
-        raw = cache.view(torch.uint8)[blocks]
-        table = fp8.decode_table(cache.dtype, torch.float32, cache.device)
-        return table[raw.to(torch.int32)]
-    return cache[blocks].to(torch.float32)
+        fp8.decode_values(pages.view(cache.dtype).view(n, hkv, nblk * bs, d), out)
+    else:
+        out.copy_(pages.view(n, hkv, nblk * bs, d))
+    return out
 
 
 def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
@@ -55,14 +66,15 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
     m = torch.full((n, hkv, g), -math.inf, device=dev)
     l = torch.zeros((n, hkv, g), device=dev)
     acc = torch.zeros((n, hkv, g, d), device=dev)
-    blocks_per_chunk = max(1, _CHUNK_ELEMENTS // max(1, n * hkv * bs * d))
+    chunk = _CHUNK_ELEMENTS.get(dev.type, _CHUNK_ELEMENTS_DEFAULT)
+    blocks_per_chunk = max(1, chunk // max(1, n * hkv * bs * d))
     total_blocks = (max_len + bs - 1) // bs
     for b0 in range(start_block, total_blocks, blocks_per_chunk):
         cols = torch.arange(b0, min(b0 + blocks_per_chunk, total_blocks), device=dev)
         used = cols[None, :] * bs < lens[:, None]
         blocks = torch.where(used, block_tables[:, cols].to(torch.int64), 0)  # unused entries may be junk
         t = cols.numel() * bs
-        k = _gather_decode(key_cache, blocks).permute(0, 2, 1, 3, 4).reshape(n, hkv, t, d)
+        k = _gather_decode(key_cache, blocks)
         s = torch.matmul(q, k.transpose(-1, -2)) * logit_scale            # [n, hkv, g, t]
         if logits_soft_cap is not None:
             s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
@@ -75,7 +87,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe[..., None])
-        v = _gather_decode(value_cache, blocks).permute(0, 2, 1, 3, 4).reshape(n, hkv, t, d)
+        v = _gather_decode(value_cache, blocks)
         l = l * alpha + p.sum(dim=-1)
         acc = acc * alpha[..., None] + torch.matmul(p, v)
         m = m_new
