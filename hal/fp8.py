@@ -207,7 +207,7 @@ def encode_bytes(x: torch.Tensor, encoding: Encoding | torch.dtype) -> torch.Ten
     if enc.fnuz:
         negative = negative & (magnitude_byte != 0)  # fnuz has no -0: 0x80 is NaN
     out = magnitude_byte | (negative.to(torch.uint8) << 7)
-    nan_byte = 0x80 if enc.fnuz else (0x7F if enc.name == "e4m3fn" else 0x7E)
+    nan_byte = 0x80 if enc.fnuz else 0x7F  # the NaN NVIDIA's saturating cvt writes (S.1111.111 / S.11111.11)
     return torch.where(torch.isnan(a), torch.tensor(nan_byte, dtype=torch.uint8, device=a.device), out)
 
 

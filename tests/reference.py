@@ -78,8 +78,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale=1.0) -> np.ndarray:
     s = scale.detach().cpu().numpy().reshape(1, -1, 1) if isinstance(scale, torch.Tensor) else np.float32(scale)
     q = (x.detach().cpu().to(torch.float32).numpy() / s).astype(np.float32)
     fmax = float(ml_dtypes.finfo(_ML[dtype]).max)
-    q = np.where(np.isnan(q), q, np.clip(q, -fmax, fmax))
-    return q.astype(_ML[dtype]).view(np.uint8)
+    nan = np.isnan(q)
+    with np.errstate(invalid="ignore"):
+        out = np.where(nan, 0, np.clip(q, -fmax, fmax)).astype(_ML[dtype]).view(np.uint8)
+    # hal's NaN byte (its choice, documented in docs/semantics.md): 0x80 for fnuz, else 0x7f as
+    # NVIDIA's saturating conversion writes (ml_dtypes would give 0x7e for e5m2)
+    return np.where(nan, np.uint8(0x80 if dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) else 0x7F), out)
 
 
 def relative_l2(a, b) -> float:
