@@ -16,7 +16,10 @@ import torch
 from hal.targets import Target
 
 # Optional behaviours a call may use; a pack lists those it implements.
-FEATURES = ("alibi", "soft_cap", "sliding_window", "per_head_scales")
+FEATURES = ("alibi", "soft_cap", "sliding_window", "per_head_scales", "misaligned_cache")
+FEATURE_TEXT = {
+    "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
+}
 OPS = ("paged_attention", "cache_kv")
 
 
@@ -79,7 +82,8 @@ class OpSupport:
         if self.max_gqa_ratio is not None and key.gqa_ratio > self.max_gqa_ratio:
             out.append(f"GQA ratio {key.gqa_ratio} exceeds the maximum {self.max_gqa_ratio}")
         for f in sorted(key.features - self.features):
-            out.append(f"feature {f!r} is not implemented")
+            text = f" ({FEATURE_TEXT[f]})" if f in FEATURE_TEXT else ""
+            out.append(f"feature {f!r}{text} is not implemented")
         return out
 
     def as_dict(self) -> dict:

@@ -114,8 +114,14 @@ def scale(op: str, name: str, value, cache: torch.Tensor):
     return f
 
 
-def _features(alibi_slopes, soft_cap, window, k_scale, v_scale) -> frozenset[str]:
+def _misaligned(*caches: torch.Tensor) -> bool:
+    return any(c.data_ptr() % 16 or (c.stride(0) * c.element_size()) % 16 for c in caches)
+
+
+def _features(alibi_slopes, soft_cap, window, k_scale, v_scale, caches=()) -> frozenset[str]:
     f = set()
+    if _misaligned(*caches):
+        f.add("misaligned_cache")
     if alibi_slopes is not None:
         f.add("alibi")
     if soft_cap is not None:
@@ -199,7 +205,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
                   f"entries from {int(refs.min())} to {int(refs.max())}")
 
     return CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv,
-                   _features(alibi_slopes, logits_soft_cap, sliding_window, k_scale, v_scale))
+                   _features(alibi_slopes, logits_soft_cap, sliding_window, k_scale, v_scale,
+                             (key_cache, value_cache)))
 
 
 def cache_kv(key, value, key_cache, value_cache, slot_mapping, *, k_scale, v_scale) -> CallKey:
@@ -229,4 +236,4 @@ def cache_kv(key, value, key_cache, value_cache, slot_mapping, *, k_scale, v_sca
             _fail(op, "slot_mapping", f"< num_blocks*block_size = {nb * bs} (negative slots skip a token)",
                   f"a slot of {hi}")
     return CallKey(op, dev.type, key.dtype, key_cache.dtype, d, bs, 1,
-                   _features(None, None, None, k_scale, v_scale))
+                   _features(None, None, None, k_scale, v_scale, (key_cache, value_cache)))

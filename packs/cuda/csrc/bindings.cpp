@@ -1,0 +1,108 @@
+// pybind11 surface of the cuda pack: launchers that take device pointers (as integers), strides and
+// torch's current stream; every CUDA error becomes a RuntimeError with CUDA's own message.
+#include <pybind11/pybind11.h>
+#include <stdexcept>
+#include <string>
+#include "launch.h"
+
+namespace py = pybind11;
+using namespace hal_cuda;
+
+static void check(int err, const char* what) {
+  if (err != 0) {
+    throw std::runtime_error(std::string("hal cuda pack: ") + what + " failed: CUDA error " + std::to_string(err) +
+                             " (" + cudaGetErrorString(static_cast<cudaError_t>(err)) + ")");
+  }
+}
+
+template <typename T>
+static T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hal cuda pack kernels (paged decode attention, partition reduce, cache_kv)";
+  m.def("device_count", [] {
+    int count = 0;
+    int err = (int)cudaGetDeviceCount(&count);
+    return py::make_tuple(count, err, std::string(cudaGetErrorString((cudaError_t)err)));
+  });
+  m.def("head_sizes", [] {
+    py::list l;
+#define HAL_ITEM(D) l.append(D);
+    HAL_CUDA_HEAD_SIZES(HAL_ITEM)
+#undef HAL_ITEM
+    return l;
+  });
+  // kind: 0 fp16, 1 bf16, 2 e4m3fn, 3 e5m2 cache
+  m.def("paged_attention",
+        [](int kind, int head_size, std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,
+           std::uintptr_t value_cache, std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t alibi,
+           std::uintptr_t k_scale_ptr, std::uintptr_t v_scale_ptr, std::uintptr_t part_out, std::uintptr_t part_ml,
+           int64_t q_stride0, int64_t q_stride1, int64_t out_stride0, int64_t out_stride1, int64_t k_stride0,
+           int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
+           int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int head_tiles,
+           int block_size, int partition_size, int num_parts, int window, int q_is_bf16, std::uintptr_t stream) {
+          DecodeParams p{};
+          p.out = ptr<void>(out);
+          p.query = ptr<const void>(query);
+          p.key_cache = ptr<const uint8_t>(key_cache);
+          p.value_cache = ptr<const uint8_t>(value_cache);
+          p.block_tables = ptr<const int>(block_tables);
+          p.seq_lens = ptr<const int>(seq_lens);
+          p.alibi = ptr<const float>(alibi);
+          p.k_scale_ptr = ptr<const float>(k_scale_ptr);
+          p.v_scale_ptr = ptr<const float>(v_scale_ptr);
+          p.part_out = ptr<float>(part_out);
+          p.part_ml = ptr<float>(part_ml);
+          p.q_stride0 = q_stride0; p.q_stride1 = q_stride1; p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
+          p.k_stride0 = k_stride0; p.v_stride0 = v_stride0; p.bt_stride0 = bt_stride0;
+          p.scale = scale; p.k_scale = k_scale; p.v_scale = v_scale; p.soft_cap = soft_cap;
+          p.k_scale_stride = k_scale_stride; p.v_scale_stride = v_scale_stride;
+          p.num_seqs = num_seqs; p.num_heads = num_heads; p.num_kv_heads = num_kv_heads;
+          p.gqa = num_heads / num_kv_heads; p.head_tiles = head_tiles;
+          p.block_size = block_size;
+          p.block_shift = 0;
+          while ((1 << p.block_shift) < block_size) ++p.block_shift;
+          if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+          p.partition_size = partition_size; p.num_parts = num_parts; p.window = window; p.q_is_bf16 = q_is_bf16;
+          if (num_seqs == 0) return;
+          auto s = reinterpret_cast<cudaStream_t>(stream);
+          int err;
+          {
+            py::gil_scoped_release nogil;
+            switch (kind) {
+              case 0: err = launch_decode_f16(head_size, p, s); break;
+              case 1: err = launch_decode_bf16(head_size, p, s); break;
+              case 2: err = launch_decode_e4m3(head_size, p, s); break;
+              case 3: err = launch_decode_e5m2(head_size, p, s); break;
+              default: err = (int)cudaErrorInvalidValue;
+            }
+            if (err == 0 && num_parts > 1) err = launch_reduce(head_size, p, s);
+          }
+          check(err, "paged_attention");
+        });
+  m.def("cache_kv",
+        [](int kind, int input, std::uintptr_t key, std::uintptr_t value, std::uintptr_t key_cache,
+           std::uintptr_t value_cache, std::uintptr_t slot_mapping, std::uintptr_t k_scale_ptr,
+           std::uintptr_t v_scale_ptr, int64_t key_stride0, int64_t key_stride1, int64_t value_stride0,
+           int64_t value_stride1, int64_t k_stride0, int64_t v_stride0, float k_scale, float v_scale,
+           int k_scale_stride, int v_scale_stride, int num_tokens, int num_kv_heads, int head_size, int block_size,
+           int num_blocks, std::uintptr_t stream) {
+          CacheParams p{};
+          p.key = ptr<const void>(key); p.value = ptr<const void>(value);
+          p.key_cache = ptr<uint8_t>(key_cache); p.value_cache = ptr<uint8_t>(value_cache);
+          p.slot_mapping = ptr<const int64_t>(slot_mapping);
+          p.k_scale_ptr = ptr<const float>(k_scale_ptr); p.v_scale_ptr = ptr<const float>(v_scale_ptr);
+          p.key_stride0 = key_stride0; p.key_stride1 = key_stride1;
+          p.value_stride0 = value_stride0; p.value_stride1 = value_stride1;
+          p.k_stride0 = k_stride0; p.v_stride0 = v_stride0;
+          p.k_scale = k_scale; p.v_scale = v_scale; p.k_scale_stride = k_scale_stride; p.v_scale_stride = v_scale_stride;
+          p.num_tokens = num_tokens; p.num_kv_heads = num_kv_heads; p.head_size = head_size;
+          p.block_size = block_size; p.num_blocks = num_blocks;
+          int err;
+          {
+            py::gil_scoped_release nogil;
+            err = launch_cache_kv(kind, input, p, reinterpret_cast<cudaStream_t>(stream));
+          }
+          check(err, "cache_kv");
+        });
+}

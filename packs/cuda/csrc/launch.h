@@ -1,0 +1,19 @@
+// Host entry points of the cuda pack's kernels; each returns a cudaError_t as int.
+#pragma once
+#include <cuda_runtime.h>
+#include "params.h"
+
+namespace hal_cuda {
+
+// Head sizes compiled; keep in sync with packs/cuda/pack.py (the pack's declaration).
+#define HAL_CUDA_HEAD_SIZES(X) X(64) X(80) X(96) X(112) X(128) X(192) X(256)
+
+int launch_decode_f16(int head_size, const DecodeParams& p, cudaStream_t stream);
+int launch_decode_bf16(int head_size, const DecodeParams& p, cudaStream_t stream);
+int launch_decode_e4m3(int head_size, const DecodeParams& p, cudaStream_t stream);
+int launch_decode_e5m2(int head_size, const DecodeParams& p, cudaStream_t stream);
+int launch_reduce(int head_size, const DecodeParams& p, cudaStream_t stream);
+// kind: 0 fp16, 1 bf16, 2 e4m3fn, 3 e5m2 cache; input: 0 fp16, 1 bf16, 2 fp32 key/value
+int launch_cache_kv(int kind, int input, const CacheParams& p, cudaStream_t stream);
+
+}  // namespace hal_cuda

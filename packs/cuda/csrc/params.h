@@ -1,0 +1,45 @@
+// Launch parameters shared by the host launcher and the kernels (plain data, no torch types).
+#pragma once
+#include <cstdint>
+
+namespace hal_cuda {
+
+struct DecodeParams {
+  void* out;                    // [num_seqs, num_heads, D], query dtype; strides in elements
+  const void* query;            // [num_seqs, num_heads, D], fp16 or bf16
+  const uint8_t* key_cache;     // [num_blocks, num_kv_heads, block_size, D], dense blocks
+  const uint8_t* value_cache;
+  const int* block_tables;      // [num_seqs, bt_stride0] int32
+  const int* seq_lens;          // [num_seqs] int32
+  const float* alibi;           // [num_heads] or null
+  const float* k_scale_ptr;     // [num_kv_heads] (stride 1), 0-d (stride 0), or null: use k_scale
+  const float* v_scale_ptr;
+  float* part_out;              // [num_seqs, num_heads, num_parts, D] fp32 (split only)
+  float* part_ml;               // [num_seqs, num_heads, num_parts, 2] (max in log2 units, sum)
+  int64_t q_stride0, q_stride1, out_stride0, out_stride1;
+  int64_t k_stride0, v_stride0;  // bytes between blocks
+  int64_t bt_stride0;
+  float scale, k_scale, v_scale, soft_cap;  // soft_cap <= 0: off
+  int k_scale_stride, v_scale_stride;
+  int num_seqs, num_heads, num_kv_heads, gqa, head_tiles;
+  int block_size, block_shift;  // block_size is a power of two
+  int partition_size, num_parts, window;  // window <= 0: off
+  int q_is_bf16;                // query/out dtype: 1 bf16, 0 fp16
+};
+
+struct CacheParams {
+  const void* key;              // [num_tokens, num_kv_heads, D]; strides in elements
+  const void* value;
+  uint8_t* key_cache;
+  uint8_t* value_cache;
+  const int64_t* slot_mapping;
+  const float* k_scale_ptr;
+  const float* v_scale_ptr;
+  int64_t key_stride0, key_stride1, value_stride0, value_stride1;
+  int64_t k_stride0, v_stride0;  // bytes between cache blocks
+  float k_scale, v_scale;
+  int k_scale_stride, v_scale_stride;
+  int num_tokens, num_kv_heads, head_size, block_size, num_blocks;
+};
+
+}  // namespace hal_cuda

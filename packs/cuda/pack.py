@@ -1,0 +1,107 @@
+"""The ``cuda`` pack: native CUDA paged decode attention and cache writes for NVIDIA sm89+ (hardware
+FP8 conversion), tensor cores for QK^T and PV, split-K with a log-sum-exp merge.
+
+Declared as data below; the dispatcher, the tests' grids and hal-probe read this declaration.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import pathlib
+
+import torch
+
+from hal.pack import FEATURES, Availability, CallKey, OpSupport, Pack
+from hal.targets import Target
+
+HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)  # csrc/launch.h HAL_CUDA_HEAD_SIZES
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)        # powers of two: the kernels shift, never divide
+MIN_SM = 89
+
+_FNUZ = ("{} is AMD's FP8 encoding (MI300); NVIDIA's hardware converts the OCP encodings only, so "
+         "these bytes go to the emu pack (same bytes, exact software decode)")
+_NOTES = {torch.float8_e4m3fnuz: _FNUZ.format("float8_e4m3fnuz"),
+          torch.float8_e5m2fnuz: _FNUZ.format("float8_e5m2fnuz"),
+          torch.float32: "float32 caches are served by the emu pack only"}
+
+PAGED_ATTENTION = OpSupport(
+    query_dtypes=frozenset({torch.float16, torch.bfloat16}),
+    cache_dtypes=frozenset({torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}),
+    head_sizes=HEAD_SIZES,
+    block_sizes=BLOCK_SIZES,
+    devices=frozenset({"cuda"}),
+    features=frozenset(FEATURES) - {"misaligned_cache"},
+    max_gqa_ratio=None,
+    cache_dtype_notes=_NOTES,
+)
+CACHE_KV = OpSupport(
+    query_dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    cache_dtypes=PAGED_ATTENTION.cache_dtypes,
+    head_sizes=HEAD_SIZES,
+    block_sizes=BLOCK_SIZES,
+    devices=frozenset({"cuda"}),
+    features=frozenset({"per_head_scales"}),
+    cache_dtype_notes=_NOTES,
+)
+
+
+def _module():
+    return importlib.import_module("hal.kernelpacks.cuda._C")
+
+
+@functools.cache
+def build_info() -> dict:
+    path = pathlib.Path(__file__).with_name("build_info.json")
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+class CudaPack(Pack):
+    NAME = "cuda"
+    DESCRIPTION = "native CUDA for NVIDIA sm89+: mma.sync tensor cores, hardware FP8 conversion, split-K"
+    VENDORS = frozenset({"cuda"})
+    SUPPORTS = {"paged_attention": PAGED_ATTENTION, "cache_kv": CACHE_KV}
+
+    def native_for(self, target: Target) -> str | None:
+        why = super().native_for(target)
+        if why is None and (target.sm or 0) < MIN_SM:
+            why = (f"the cuda pack needs sm_{MIN_SM}+ (hardware FP8 conversion); this is {target.arch}, "
+                   f"served by the emu pack")
+        return why
+
+    def _probe(self) -> Availability:
+        reasons = []
+        info = dict(build_info())
+        try:
+            _module()
+        except ImportError as exc:
+            reasons.append(f"the compiled module is missing ({exc}); it is built by `pip install .` where nvcc "
+                           f"is found")
+        if not getattr(torch.version, "cuda", None):
+            reasons.append(f"torch {torch.__version__} is not a CUDA build")
+        elif not torch.cuda.is_available():
+            reasons.append("no NVIDIA GPU is visible to torch")
+        else:
+            major, minor = torch.cuda.get_device_capability()
+            if major * 10 + minor < MIN_SM:
+                reasons.append(f"the GPU is sm_{major}{minor}; the cuda pack needs sm_{MIN_SM}+")
+            if not reasons:
+                from hal.kernelpacks.cuda.launch import tuning_for
+                info["tuning"] = tuning_for(f"sm_{major}{minor}")
+        return Availability(not reasons, tuple(reasons), info)
+
+    def reasons(self, key: CallKey, target: Target) -> list[str]:
+        out = super().reasons(key, target)
+        if key.op == "paged_attention" and key.cache_dtype in (torch.float16, torch.bfloat16) \
+                and key.query_dtype != key.cache_dtype:
+            out.append(f"a {str(key.cache_dtype).removeprefix('torch.')} cache needs a query of the same dtype "
+                       f"(got {str(key.query_dtype).removeprefix('torch.')})")
+        return out
+
+    def impl(self, op: str):
+        from hal.kernelpacks.cuda import launch
+        return getattr(launch, op)
+
+
+PACK = CudaPack()

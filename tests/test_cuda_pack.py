@@ -1,0 +1,270 @@
+"""The cuda pack. On any machine: its declaration, its availability reasons and dispatch around it.
+On an NVIDIA sm89+ GPU (marker ``cuda``): the grid drawn from its declaration against the float64
+reference (tests/reference.py) and the emu pack on the same bytes, cache writes bit for bit against
+hal.fp8's definition, split-K against one pass, CUDA graphs, torch.compile, large caches.
+
+Tolerance: relative L2 error <= 5e-3 against float64 (cases.GPU_REL_L2): probabilities are rounded
+to 16 bits before the PV product (fp16 for FP8 and fp16 caches: 2^-11 relative; bf16 for bf16
+caches: 2^-8), K/V are exact in the MMA operands, accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+import hal
+from cases import alibi_slopes, gpu_tolerance_ok, make_case
+from hal import registry
+
+CUDA_PRESENT = importlib.util.find_spec("hal.kernelpacks.cuda") is not None
+pytestmark = pytest.mark.skipif(not CUDA_PRESENT, reason="the cuda pack is not in this tree")
+
+
+def _pack():
+    return registry.by_name("cuda")
+
+
+def _support():
+    return _pack().SUPPORTS["paged_attention"]
+
+
+# ---------------------------------------------------------------- any machine
+
+def test_declaration_is_data():
+    s = _support()
+    assert torch.float8_e4m3fn in s.cache_dtypes and torch.float8_e4m3fnuz not in s.cache_dtypes
+    assert set(s.head_sizes) >= {64, 80, 96, 112, 128, 192, 256}
+    assert set(s.block_sizes) >= {8, 16, 32, 64, 128}
+    assert {"alibi", "soft_cap", "sliding_window", "per_head_scales"} <= s.features
+
+
+def test_fnuz_goes_to_emu_with_a_reason(monkeypatch):
+    monkeypatch.setenv("HAL_TARGET", "sm_90")
+    from hal import dispatch
+    from hal.pack import CallKey
+    key = CallKey("paged_attention", "cuda", torch.bfloat16, torch.float8_e4m3fnuz, 128, 16, 4)
+    reasons = _pack().reasons(key, hal.target())
+    assert any("AMD's FP8 encoding" in r for r in reasons)
+    d = dispatch.decide(key, hal.target())
+    assert d.pack.NAME == "emu"
+
+
+def test_not_native_before_sm89(monkeypatch):
+    monkeypatch.setenv("HAL_TARGET", "sm_80")
+    assert "needs sm_89+" in _pack().native_for(hal.target())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_unavailable_here_with_reasons(monkeypatch, caplog):
+    a = _pack().availability
+    assert not a.ok and a.reasons
+    monkeypatch.setenv("HAL_TARGET", "sm_90")
+    case = make_case(seq_lens=[5, 9], head_size=128)
+    with caplog.at_level(logging.WARNING, logger="hal"):
+        hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                            k_scale=case.k_scale, v_scale=case.v_scale)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "falls back to the emu pack on cuda:sm_90" in text and "cuda:" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_compiled_module_reports_no_gpu():
+    try:
+        from hal.kernelpacks.cuda import _C
+    except ImportError:
+        pytest.skip("the compiled module is not built here (no nvcc at install time)")
+    count, err, msg = _C.device_count()
+    assert count == 0 and err != 0 and msg
+    assert list(_C.head_sizes()) == list(_support().head_sizes)
+
+
+# ---------------------------------------------------------------- on the GPU
+
+gpu = pytest.mark.cuda
+FP8_CACHES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _run(case, pack="cuda", **kw):
+    out = case.poisoned_out()
+    hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                        k_scale=case.k_scale, v_scale=case.v_scale, out=out, pack=pack, **case.kwargs, **kw)
+    return out
+
+
+def _check(case, **kw):
+    out = _run(case, **kw)
+    ok, msg = gpu_tolerance_ok(out, case.reference())
+    assert ok, msg
+    emu = _run(case, pack="emu", **kw)
+    rel = ((out.float() - emu.float()).norm() / emu.float().norm().clamp_min(1e-30)).item()
+    assert rel <= 5e-3, f"vs emu on the same bytes: relative L2 {rel:.3g}"
+
+
+def _query_for(cache):
+    return cache if cache in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@gpu
+@pytest.mark.parametrize("head_size", (64, 80, 96, 112, 128, 192, 256))
+@pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16, *FP8_CACHES), ids=str)
+def test_every_cache_and_head_size(cache, head_size):
+    _check(make_case(seq_lens=[1, 0, 33, 16, 129, 300], head_size=head_size, cache_dtype=cache,
+                     query_dtype=_query_for(cache), device="cuda", seed=head_size))
+
+
+@gpu
+@pytest.mark.parametrize("query", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("cache", FP8_CACHES, ids=str)
+def test_fp8_with_both_query_dtypes(cache, query):
+    _check(make_case(seq_lens=[77, 5, 512], cache_dtype=cache, query_dtype=query, head_size=128, device="cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("block_size", (8, 16, 32, 64, 128, 256))
+def test_block_sizes(block_size):
+    lens = [1, block_size, 2 * block_size + 3, 700]
+    _check(make_case(seq_lens=lens, block_size=block_size, head_size=128, device="cuda", seed=block_size))
+
+
+@gpu
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (32, 8), (64, 8), (16, 1), (32, 1), (40, 2), (96, 3)],
+                         ids=str)
+@pytest.mark.parametrize("cache", (torch.float8_e4m3fn, torch.bfloat16), ids=str)
+def test_gqa_ratios(heads, kv_heads, cache):
+    _check(make_case(seq_lens=[3, 200, 64], num_heads=heads, num_kv_heads=kv_heads, head_size=128,
+                     cache_dtype=cache, query_dtype=_query_for(cache), device="cuda"))
+
+
+FEATURES = {
+    "alibi": dict(alibi_slopes=alibi_slopes(8)),
+    "soft_cap": dict(logits_soft_cap=2.5),
+    "window": dict(sliding_window=19),
+    "window_1": dict(sliding_window=1),
+    "all": dict(alibi_slopes=alibi_slopes(8), logits_soft_cap=4.0, sliding_window=50),
+}
+
+
+@gpu
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("cache", (*FP8_CACHES, torch.float16), ids=str)
+def test_features(feature, cache):
+    _check(make_case(seq_lens=[0, 1, 18, 19, 20, 130, 1000], cache_dtype=cache, query_dtype=_query_for(cache),
+                     per_head_scales=True, head_size=64, device="cuda", **FEATURES[feature]))
+
+
+@gpu
+@pytest.mark.parametrize("scales", ["float", "tensor0d", "per_head"])
+def test_scale_forms(scales):
+    _check(make_case(seq_lens=[40, 3, 90], num_kv_heads=4, num_heads=16, head_size=128, device="cuda",
+                     per_head_scales=scales == "per_head", scale_as_tensor=scales == "tensor0d"))
+
+
+@gpu
+@pytest.mark.parametrize("cache", (torch.float8_e4m3fn, torch.bfloat16), ids=str)
+def test_split_k_long_contexts_and_windows(cache):
+    case = make_case(seq_lens=[20000, 1, 5000, 8191, 0], head_size=128, block_size=64, cache_dtype=cache,
+                     query_dtype=_query_for(cache), device="cuda")
+    _check(case, max_seq_len=20000)
+    _check(case, sliding_window=3000)
+
+
+@gpu
+def test_shared_prefix_blocks():
+    _check(make_case(seq_lens=[300, 290, 264, 281], share_prefix=True, head_size=128, device="cuda"))
+
+
+@gpu
+@pytest.mark.parametrize("cache", (*FP8_CACHES, torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("src", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_cache_kv_bytes_match_the_definition(cache, src):
+    import math
+    g = torch.Generator().manual_seed(7)
+    nb, hkv, bs, d = 9, 3, 16, 128
+    kc = torch.full((nb, hkv, bs, d), 0x11, dtype=torch.uint8).view(cache) if hal.fp8.is_fp8(cache) \
+        else torch.full((nb, hkv, bs, d), 0.5, dtype=cache)
+    kc = kc.cuda()
+    vc = kc.clone()
+    t = 40
+    k = (torch.randn(t, hkv, d, generator=g) * 300).to(src)
+    v = (torch.randn(t, hkv, d, generator=g) * 3).to(src)
+    k[0, 0, :5] = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 1e-30]).to(src)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[3] = -1
+    ks = torch.tensor([0.5, 1.5, 0.75]).cuda()
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    hal.cache_kv(k.cuda(), v.cuda(), kc, vc, slots.cuda(), k_scale=ks, v_scale=0.01, pack="cuda")
+    # emu writes hal.fp8.encode_bytes(x / scale) (or the RNE cast for 16-bit caches): the definition
+    hal.cache_kv(k.cuda(), v.cuda(), kc_ref, vc_ref, slots.cuda(), k_scale=ks, v_scale=0.01, pack="emu")
+    raw = torch.uint8 if hal.fp8.is_fp8(cache) else torch.int16
+    assert torch.equal(kc.view(raw), kc_ref.view(raw))
+    assert torch.equal(vc.view(raw), vc_ref.view(raw))
+
+
+@gpu
+def test_cuda_graph_replay_matches_eager():
+    case = make_case(seq_lens=[700, 5, 2000], head_size=128, device="cuda", per_head_scales=True)
+    new_k = torch.randn(3, 2, 128, device="cuda")
+    new_v = torch.randn_like(new_k)
+    slots = torch.tensor([int(case.block_tables[0, 43]) * 16 + 12, -1, int(case.block_tables[2, 125]) * 16],
+                         device="cuda")
+    out = torch.empty_like(case.query)
+    kc, vc = case.key_cache.clone(), case.value_cache.clone()
+
+    def step():
+        hal.cache_kv(new_k, new_v, kc, vc, slots, k_scale=case.k_scale, v_scale=case.v_scale)
+        hal.paged_attention(case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=case.k_scale,
+                            v_scale=case.v_scale, out=out, max_seq_len=2048)
+
+    step()
+    torch.cuda.synchronize()
+    eager = out.clone()
+    kc.copy_(case.key_cache), vc.copy_(case.value_cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.fill_(float("nan"))
+    kc.copy_(case.key_cache), vc.copy_(case.value_cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@gpu
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    case = make_case(seq_lens=[100, 37], head_size=128, device="cuda")
+    f = torch.compile(lambda q: hal.paged_attention(q, case.key_cache, case.value_cache, case.block_tables,
+                                                    case.seq_lens, k_scale=case.k_scale, v_scale=case.v_scale),
+                      fullgraph=True)
+    got = f(case.query)
+    ok, msg = gpu_tolerance_ok(got, case.reference())
+    assert ok, msg
+
+
+@gpu
+@pytest.mark.slow
+def test_cache_over_4_gib_and_a_million_tokens():
+    """64-bit offsets: a 4.3 GiB FP8 cache whose last blocks are used, and one 1M-token sequence."""
+    hkv, bs, d = 8, 64, 128
+    nb = (4 * 2**30 + 2**28) // (hkv * bs * d)          # > 4 GiB per cache
+    kc = torch.empty((nb, hkv, bs, d), dtype=torch.float8_e4m3fn, device="cuda")
+    vc = torch.empty_like(kc)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    L = 1 << 20
+    used = L // bs
+    blocks = torch.arange(nb - used, nb, device="cuda", dtype=torch.int32)   # the top of the allocation
+    kc.view(torch.uint8)[blocks.long()] = torch.randint(0, 0x7e, (used, hkv, bs, d), generator=g, device="cuda",
+                                                        dtype=torch.uint8)
+    vc.view(torch.uint8)[blocks.long()] = torch.randint(0, 0x7e, (used, hkv, bs, d), generator=g, device="cuda",
+                                                        dtype=torch.uint8)
+    q = torch.randn((1, 32, d), device="cuda", dtype=torch.bfloat16, generator=g)
+    tables = blocks.view(1, -1)
+    lens = torch.tensor([L], dtype=torch.int32, device="cuda")
+    out = hal.paged_attention(q, kc, vc, tables, lens, k_scale=0.01, v_scale=0.01, max_seq_len=L, pack="cuda")
+    emu = hal.paged_attention(q, kc, vc, tables, lens, k_scale=0.01, v_scale=0.01, max_seq_len=L, pack="emu")
+    rel = ((out.float() - emu.float()).norm() / emu.float().norm()).item()
+    assert torch.isfinite(out.float()).all() and rel <= 5e-3, rel
