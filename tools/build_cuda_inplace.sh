@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+mkdir -p build
 cmake -S . -B build/inplace -G Ninja -DCMAKE_BUILD_TYPE=Release -DHAL_CUDA_INPLACE=ON \
   -DCMAKE_CUDA_ARCHITECTURES="${ARCHS:-90a}" -DPython_EXECUTABLE="$(command -v "$PY")" \
   -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" > build/inplace.log 2>&1 || { cat build/inplace.log; exit 1; }
