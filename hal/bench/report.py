@@ -38,7 +38,7 @@ def render(result: dict, console: Console) -> None:
     skipped_everywhere = {c: next(iter(rs)) for c, rs in reasons.items() if len(rs) == 1 and None not in rs}
     table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
     for col, kw in (("shape", {}), ("kv", {}), ("contender", {}), ("status", {}),
-                    ("time µs", {"justify": "right"}), ("GB/s", {"justify": "right"}),
+                    ("time µs", {"justify": "right"}), ("host µs", {"justify": "right"}), ("GB/s", {"justify": "right"}),
                     ("of copy", {"justify": "right"}), (f"vs {s['baseline']}", {"justify": "right"}),
                     ("err all", {"justify": "right"}), ("err f64", {"justify": "right"}),
                     ("note / reason", {"overflow": "fold", "max_width": 60})):
@@ -56,7 +56,7 @@ def render(result: dict, console: Console) -> None:
         table.add_row(
             r["shape"] if first else "", r["kv_dtype"] if first else "", r["contender"],
             Text(r["status"], style=STATUS_STYLE.get(r["status"], "")),
-            _f(r["time_us"], ",.1f"), _f(r["GBps"], ".2f"), _f(r["fraction_of_copy"], ".3f"),
+            _f(r["time_us"], ",.1f"), _f(r.get("host_us"), ",.0f"), _f(r["GBps"], ".2f"), _f(r["fraction_of_copy"], ".3f"),
             "" if speed is None else f"{speed:.2f}x",
             _f(r["err_all"], ".1e"), _f(r["err_f64"], ".1e"),
             " ".join(x for x in (r["note"], r["reason"]) if x))

@@ -74,7 +74,7 @@ def _loadavg() -> list[float] | None:
 
 def _row(shape: Shape, kv: torch.dtype, c: Contender, **kw) -> dict:
     row = {"shape": shape.spec, "kv_dtype": data.dtype_name(kv), "contender": c.name, "kind": c.kind,
-           "status": "skip", "reason": "", "note": "", "time_us": None, "time_us_min": None, "reps": 0,
+           "status": "skip", "reason": "", "note": "", "time_us": None, "time_us_min": None, "host_us": None, "reps": 0,
            "bytes": None, "GBps": None, "fraction_of_copy": None, "speedup_vs_baseline": None,
            "err_all": None, "err_f64": None, "max_abs_err": None, "tolerance": None}
     row.update(kw)
@@ -148,7 +148,7 @@ def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contende
             row.update(status="FAIL", reason=f"timing: {_short(t)}")
             continue
         gbps = nbytes / t.median_s / 1e9
-        row.update(time_us=t.median_s * 1e6, time_us_min=t.min_s * 1e6, reps=t.reps, bytes=nbytes, GBps=gbps,
+        row.update(time_us=t.median_s * 1e6, time_us_min=t.min_s * 1e6, host_us=t.host_median_s * 1e6, reps=t.reps, bytes=nbytes, GBps=gbps,
                    fraction_of_copy=gbps / copy_gbps if copy_gbps else None)
     base = next((r for r in rows if r["contender"] == BASELINE and r["time_us"]), None)
     for r in rows:

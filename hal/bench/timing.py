@@ -20,6 +20,10 @@ class Timing:
     min_s: float
     reps: int
     samples_s: list[float]
+    host_median_s: float = 0.0   # time the call takes on the host (launch overhead), not waited for
+
+
+_SLEEP_CYCLES = 2_000_000  # ~1 ms at H200 clocks: longer than any call's host overhead
 
 
 class Timer:
@@ -29,6 +33,7 @@ class Timer:
     def __init__(self, device: torch.device, flush: bool = True):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self._last_host_s = 0.0
         self._flush_buf = None
         if flush:
             if self.cuda:
@@ -78,16 +83,18 @@ class Timer:
                 n = max(3, min(reps, int(budget_s / est)))
             todo[name] = n
         samples: dict[str, list[float]] = {name: [] for name in todo}
+        host: dict[str, list[float]] = {name: [] for name in todo}
         for r in range(max(todo.values(), default=0)):
             turn = [name for name in todo if r < todo[name] and name not in results]
             for name in turn:
                 try:
                     samples[name].append(self._calls([fns[name]]))
+                    host[name].append(self._last_host_s)
                 except Exception as exc:  # noqa: BLE001
                     results[name] = exc
         for name, xs in samples.items():
             if name not in results:
-                results[name] = Timing(statistics.median(xs), min(xs), len(xs), xs)
+                results[name] = Timing(statistics.median(xs), min(xs), len(xs), xs, statistics.median(host[name]))
         return {name: results[name] for name in fns}
 
     def _calls(self, fns) -> float:
@@ -97,14 +104,20 @@ class Timer:
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
+            # Keep the GPU busy while the host launches the call, so the events time the GPU work
+            # and not the host's launch overhead (which is reported apart, as host time).
+            torch.cuda._sleep(_SLEEP_CYCLES)
             start.record()
+            h0 = time.perf_counter()
             fn()
+            self._last_host_s = time.perf_counter() - h0
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        self._last_host_s = time.perf_counter() - t0
+        return self._last_host_s
 
 
 @dataclasses.dataclass

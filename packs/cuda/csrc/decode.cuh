@@ -80,11 +80,13 @@ struct Layout {
   }
 };
 
-template <Kind K, int D>
+template <Kind K, int D, int NH>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) {
+  // NH tiles of 8 query heads (the MMA's N) share every K/V fragment.
   using LY = Layout<K, D>;
   constexpr bool kBf = Traits<K>::kBf16Math;
   constexpr bool kFp8 = Traits<K>::kFp8;
+  constexpr int kMt = D / 16;  // m16 tiles of the output's head dim
   const int seq = blockIdx.x;
   const int kvh = blockIdx.y / p.head_tiles;
   const int tile = blockIdx.y % p.head_tiles;
@@ -98,21 +100,21 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   const bool split = p.num_parts > 1;
   if (split && (p0 >= L || p0 + p.partition_size <= first)) return;  // the reduce skips this part too
 
-  const int rows = min(16, p.gqa - tile * 16);        // query heads in this tile
+  const int rows = min(8 * NH, p.gqa - tile * 16);   // query heads in this tile
   const int head0 = kvh * p.gqa + tile * 16;
 
-  // ---- Q fragments (A operand), permuted like K ----
-  uint32_t qa[LY::kKb][4];
+  // ---- Q^T fragments (B operand): head (n) g of each 8-head tile, dims permuted like K ----
+  uint32_t qb[NH][LY::kKb][2];
   float qmul = 1.0f;  // power of two folded into the logit scale
   {
-    float qv[LY::kKb][2][4];
+    float qv[NH][LY::kKb][4];
     float amax = 0.f;
 #pragma unroll
-    for (int kb = 0; kb < LY::kKb; ++kb) {
-      const int d0 = LY::kdim(t, kb);
+    for (int nh = 0; nh < NH; ++nh) {
+      const int row = nh * 8 + g;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = g + 8 * r;
+      for (int kb = 0; kb < LY::kKb; ++kb) {
+        const int d0 = LY::kdim(t, kb);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float v = 0.f;
@@ -121,14 +123,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
             v = p.q_is_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p.query)[off])
                             : __half2float(reinterpret_cast<const __half*>(p.query)[off]);
           }
-          qv[kb][r][i] = v;
+          qv[nh][kb][i] = v;
           amax = fmaxf(amax, fabsf(v));
         }
       }
     }
     if (kFp8 && p.q_is_bf16) {
-      // fp16 holds every bf16 value of a row exactly once its largest is near 2^14 (powers of two
-      // are exact); values beyond fp16's range would overflow otherwise.
+      // fp16 holds every bf16 value exactly once the largest is near 2^14 (powers of two are exact);
+      // without this, bf16 values beyond fp16's range would overflow.
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       if (amax > 0.f && isfinite(amax)) {
@@ -138,35 +140,39 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
         qmul = exp2f((float)-shift);
         const float up = exp2f((float)shift);
 #pragma unroll
-        for (int kb = 0; kb < LY::kKb; ++kb)
+        for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
+          for (int kb = 0; kb < LY::kKb; ++kb)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) qv[kb][r][i] *= up;
+            for (int i = 0; i < 4; ++i) qv[nh][kb][i] *= up;
       }
     }
 #pragma unroll
-    for (int kb = 0; kb < LY::kKb; ++kb) {
-      if constexpr (kBf) {
-        qa[kb][0] = pack_bf16x2(qv[kb][0][0], qv[kb][0][1]);
-        qa[kb][1] = pack_bf16x2(qv[kb][1][0], qv[kb][1][1]);
-        qa[kb][2] = pack_bf16x2(qv[kb][0][2], qv[kb][0][3]);
-        qa[kb][3] = pack_bf16x2(qv[kb][1][2], qv[kb][1][3]);
-      } else {
-        qa[kb][0] = pack_f16x2(qv[kb][0][0], qv[kb][0][1]);
-        qa[kb][1] = pack_f16x2(qv[kb][1][0], qv[kb][1][1]);
-        qa[kb][2] = pack_f16x2(qv[kb][0][2], qv[kb][0][3]);
-        qa[kb][3] = pack_f16x2(qv[kb][1][2], qv[kb][1][3]);
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int kb = 0; kb < LY::kKb; ++kb) {
+        if constexpr (kBf) {
+          qb[nh][kb][0] = pack_bf16x2(qv[nh][kb][0], qv[nh][kb][1]);
+          qb[nh][kb][1] = pack_bf16x2(qv[nh][kb][2], qv[nh][kb][3]);
+        } else {
+          qb[nh][kb][0] = pack_f16x2(qv[nh][kb][0], qv[nh][kb][1]);
+          qb[nh][kb][1] = pack_f16x2(qv[nh][kb][2], qv[nh][kb][3]);
+        }
       }
-    }
   }
 
   const float ks = p.k_scale_ptr ? p.k_scale_ptr[kvh * p.k_scale_stride] : p.k_scale;
   const float logit_scale = p.scale * ks * qmul;   // natural-log units
   constexpr float kLog2e = 1.4426950408889634f;
   const bool plain = p.soft_cap <= 0.f && p.alibi == nullptr;
-  const float slope0 = p.alibi && g < rows ? p.alibi[head0 + g] : 0.f;
-  const float slope1 = p.alibi && g + 8 < rows ? p.alibi[head0 + g + 8] : 0.f;
+  float slope[NH][2];
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = nh * 8 + 2 * t + c;
+      slope[nh][c] = p.alibi && r < rows ? p.alibi[head0 + r] : 0.f;
+    }
 
   const int64_t head_off = (int64_t)kvh * p.block_size * D * LY::kBpe;
   const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
@@ -182,10 +188,16 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   const int w1 = min(w0 + quarter, L);
   const int s_begin = max(w0, first & ~(kStep - 1));
 
-  float o[LY::kNt][4];
+  // O^T accumulators: tile mt rows g / g+8 are head dims vdim(g, 2mt) / vdim(g, 2mt+1); columns are
+  // heads 2t, 2t+1 of each 8-head tile.
+  float o[NH][kMt][4];
 #pragma unroll
-  for (int nt = 0; nt < LY::kNt; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // rows g and g + 8 (log2 units)
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) o[nh][mt][0] = o[nh][mt][1] = o[nh][mt][2] = o[nh][mt][3] = 0.f;
+  float m[NH][2], l[NH][2];  // heads 2t, 2t+1 (log2 units; l: this thread's tokens only)
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
 
   uint32_t kr[2][LY::kKWords], vr[4][LY::kVWords];
   auto load_step = [&](int s0) {
@@ -213,84 +225,90 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
 
   for (int s0 = s_begin; s0 < w1; s0 += kStep) {
     load_step(s0);
-    // ---- S = Q K^T for 16 tokens: two n8 tiles ----
-    float s[2][4];
+    // ---- S^T = K Q^T: 16 tokens (rows g: token s0+g, g+8: token s0+8+g) x 8 heads per tile ----
+    float s[NH][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int nh = 0; nh < NH; ++nh) s[nh][0] = s[nh][1] = s[nh][2] = s[nh][3] = 0.f;
 #pragma unroll
-      for (int kb = 0; kb < LY::kKb; ++kb) {
-        uint32_t b0, b1;
-        if constexpr (kFp8) {
-          b0 = fp8x2_to_f16x2<K>(kr[i][kb]);
-          b1 = fp8x2_to_f16x2<K>(kr[i][kb] >> 16);
-        } else {
-          b0 = kr[i][2 * kb];
-          b1 = kr[i][2 * kb + 1];
-        }
-        mma16816<kBf>(s[i], qa[kb], b0, b1);
+    for (int kb = 0; kb < LY::kKb; ++kb) {
+      uint32_t a[4];
+      if constexpr (kFp8) {
+        a[0] = fp8x2_to_f16x2<K>(kr[0][kb]);
+        a[1] = fp8x2_to_f16x2<K>(kr[1][kb]);
+        a[2] = fp8x2_to_f16x2<K>(kr[0][kb] >> 16);
+        a[3] = fp8x2_to_f16x2<K>(kr[1][kb] >> 16);
+      } else {
+        a[0] = kr[0][2 * kb]; a[1] = kr[1][2 * kb]; a[2] = kr[0][2 * kb + 1]; a[3] = kr[1][2 * kb + 1];
       }
-    }
-    // ---- scale, soft-cap, ALiBi, mask; columns: tile i, col 2t + c -> token s0 + 8i + 2t + c ----
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+      for (int nh = 0; nh < NH; ++nh) mma16816<kBf>(s[nh], a, qb[nh][kb][0], qb[nh][kb][1]);
+    }
+    // ---- scale, soft-cap, ALiBi, mask ----
+    const int tok_lo = s0 + g, tok_hi = s0 + 8 + g;
+    const bool ok_lo = tok_lo >= first && tok_lo < w1, ok_hi = tok_hi >= first && tok_hi < w1;
+    uint32_t pb[NH][2];
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int tok = s0 + 8 * i + 2 * t + (c & 1);
-        float x = s[i][c] * logit_scale;
+        const int tok = c < 2 ? tok_lo : tok_hi;
+        float x = s[nh][c] * logit_scale;
         if (!plain) {
           if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
-          if (p.alibi) x += (c < 2 ? slope0 : slope1) * (float)(tok - (L - 1));
+          if (p.alibi) x += slope[nh][c & 1] * (float)(tok - (L - 1));
         }
-        s[i][c] = (tok >= first && tok < w1) ? x * kLog2e : -INFINITY;
+        s[nh][c] = (c < 2 ? ok_lo : ok_hi) ? x * kLog2e : -INFINITY;
+      }
+      // ---- online softmax per head (column), over the 8 row lanes ----
+      float pr[4];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float mx = rows_max(fmaxf(s[nh][c], s[nh][c + 2]));
+        const float mn = fmaxf(m[nh][c], mx);
+        const float u = mn == -INFINITY ? 0.f : mn;
+        const float alpha = fast_exp2(m[nh][c] - u);
+        m[nh][c] = mn;
+        pr[c] = fast_exp2(s[nh][c] - u);
+        pr[c + 2] = fast_exp2(s[nh][c + 2] - u);
+        l[nh][c] = l[nh][c] * alpha + pr[c] + pr[c + 2];
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt) { o[nh][mt][c] *= alpha; o[nh][mt][c + 2] *= alpha; }
+      }
+      // P^T as the B operand: transpose the two 8x8 blocks (tokens 0-7, 8-15) across the warp.
+      if constexpr (kBf) {
+        pb[nh][0] = transpose8x8(pack_bf16x2(pr[0], pr[1]));
+        pb[nh][1] = transpose8x8(pack_bf16x2(pr[2], pr[3]));
+      } else {
+        pb[nh][0] = transpose8x8(pack_f16x2(pr[0], pr[1]));
+        pb[nh][1] = transpose8x8(pack_f16x2(pr[2], pr[3]));
       }
     }
-    // ---- online softmax (per row, over the quad) ----
-    const float mx0 = warp_max4(fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1])));
-    const float mx1 = warp_max4(fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3])));
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    const float u0 = n0 == -INFINITY ? 0.f : n0, u1 = n1 == -INFINITY ? 0.f : n1;
-    const float a0 = fast_exp2(m0 - u0), a1 = fast_exp2(m1 - u1);
-    m0 = n0; m1 = n1;
-    float pr[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      pr[i][0] = fast_exp2(s[i][0] - u0); pr[i][1] = fast_exp2(s[i][1] - u0);
-      pr[i][2] = fast_exp2(s[i][2] - u1); pr[i][3] = fast_exp2(s[i][3] - u1);
-    }
-    l0 = l0 * a0 + pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
-    l1 = l1 * a1 + pr[0][2] + pr[0][3] + pr[1][2] + pr[1][3];
-#pragma unroll
-    for (int nt = 0; nt < LY::kNt; ++nt) { o[nt][0] *= a0; o[nt][1] *= a0; o[nt][2] *= a1; o[nt][3] *= a1; }
-    uint32_t pa[4];
-    if constexpr (kBf) {
-      pa[0] = pack_bf16x2(pr[0][0], pr[0][1]); pa[1] = pack_bf16x2(pr[0][2], pr[0][3]);
-      pa[2] = pack_bf16x2(pr[1][0], pr[1][1]); pa[3] = pack_bf16x2(pr[1][2], pr[1][3]);
-    } else {
-      pa[0] = pack_f16x2(pr[0][0], pr[0][1]); pa[1] = pack_f16x2(pr[0][2], pr[0][3]);
-      pa[2] = pack_f16x2(pr[1][0], pr[1][1]); pa[3] = pack_f16x2(pr[1][2], pr[1][3]);
-    }
-    // ---- O += P V: B fragments pair tokens (2t, 2t+1) and (2t+8, 2t+9) of one head dim ----
+    // ---- O^T += V^T P^T: A fragments pair tokens (2t, 2t+1) and (2t+8, 2t+9) of one head dim ----
     if constexpr (kFp8) {
 #pragma unroll
       for (int q = 0; q < LY::kVWords; ++q) {
         const uint32_t lo01 = __byte_perm(vr[0][q], vr[1][q], 0x5140), hi01 = __byte_perm(vr[0][q], vr[1][q], 0x7362);
         const uint32_t lo23 = __byte_perm(vr[2][q], vr[3][q], 0x5140), hi23 = __byte_perm(vr[2][q], vr[3][q], 0x7362);
-        const uint32_t b0[4] = {lo01, lo01 >> 16, hi01, hi01 >> 16};
-        const uint32_t b1[4] = {lo23, lo23 >> 16, hi23, hi23 >> 16};
+        if (2 * q < kMt) {
+          const uint32_t a[4] = {fp8x2_to_f16x2<K>(lo01), fp8x2_to_f16x2<K>(lo01 >> 16),
+                                 fp8x2_to_f16x2<K>(lo23), fp8x2_to_f16x2<K>(lo23 >> 16)};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int nt = 4 * q + e;
-          if (nt < LY::kNt) mma16816<false>(o[nt], pa, fp8x2_to_f16x2<K>(b0[e]), fp8x2_to_f16x2<K>(b1[e]));
+          for (int nh = 0; nh < NH; ++nh) mma16816<false>(o[nh][2 * q], a, pb[nh][0], pb[nh][1]);
+        }
+        if (2 * q + 1 < kMt) {
+          const uint32_t a[4] = {fp8x2_to_f16x2<K>(hi01), fp8x2_to_f16x2<K>(hi01 >> 16),
+                                 fp8x2_to_f16x2<K>(hi23), fp8x2_to_f16x2<K>(hi23 >> 16)};
+#pragma unroll
+          for (int nh = 0; nh < NH; ++nh) mma16816<false>(o[nh][2 * q + 1], a, pb[nh][0], pb[nh][1]);
         }
       }
     } else {
 #pragma unroll
-      for (int q = 0; q < LY::kVWords; ++q) {
-        const uint32_t b0e = __byte_perm(vr[0][q], vr[1][q], 0x5410), b0o = __byte_perm(vr[0][q], vr[1][q], 0x7632);
-        const uint32_t b1e = __byte_perm(vr[2][q], vr[3][q], 0x5410), b1o = __byte_perm(vr[2][q], vr[3][q], 0x7632);
-        mma16816<kBf>(o[2 * q], pa, b0e, b1e);
-        mma16816<kBf>(o[2 * q + 1], pa, b0o, b1o);
+      for (int q = 0; q < kMt; ++q) {
+        const uint32_t a[4] = {__byte_perm(vr[0][q], vr[1][q], 0x5410), __byte_perm(vr[0][q], vr[1][q], 0x7632),
+                               __byte_perm(vr[2][q], vr[3][q], 0x5410), __byte_perm(vr[2][q], vr[3][q], 0x7632)};
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh) mma16816<kBf>(o[nh][q], a, pb[nh][0], pb[nh][1]);
       }
     }
   }
@@ -298,34 +316,38 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   // ---- merge the four warps through shared memory ----
   __shared__ float sm_m[kWarps][16], sm_l[kWarps][16];
   __shared__ float so[16][D];
-  l0 = warp_sum4(l0);
-  l1 = warp_sum4(l1);
-  if (t == 0) {
-    sm_m[warp][g] = m0; sm_m[warp][g + 8] = m1;
-    sm_l[warp][g] = l0; sm_l[warp][g + 8] = l1;
-  }
-  __syncthreads();
-  float f0, f1;
-  {
-    float M0 = -INFINITY, M1 = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) { M0 = fmaxf(M0, sm_m[w][g]); M1 = fmaxf(M1, sm_m[w][g + 8]); }
-    f0 = m0 == -INFINITY ? 0.f : fast_exp2(m0 - M0);
-    f1 = m1 == -INFINITY ? 0.f : fast_exp2(m1 - M1);
-  }
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      l[nh][c] = rows_sum(l[nh][c]);
+      if (g == 0) { sm_m[warp][nh * 8 + 2 * t + c] = m[nh][c]; sm_l[warp][nh * 8 + 2 * t + c] = l[nh][c]; }
+    }
+  __syncthreads();
+  float f[NH][2];
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = nh * 8 + 2 * t + c;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][r]);
+      f[nh][c] = m[nh][c] == -INFINITY ? 0.f : fast_exp2(m[nh][c] - M);
+    }
   for (int w = 0; w < kWarps; ++w) {
     if (warp == w) {
 #pragma unroll
-      for (int nt = 0; nt < LY::kNt; ++nt) {
-        const int d0 = LY::vdim(2 * t, nt), d1 = LY::vdim(2 * t + 1, nt);
-        if (w == 0) {
-          so[g][d0] = o[nt][0] * f0; so[g][d1] = o[nt][1] * f0;
-          so[g + 8][d0] = o[nt][2] * f1; so[g + 8][d1] = o[nt][3] * f1;
-        } else {
-          so[g][d0] += o[nt][0] * f0; so[g][d1] += o[nt][1] * f0;
-          so[g + 8][d0] += o[nt][2] * f1; so[g + 8][d1] += o[nt][3] * f1;
-        }
-      }
+      for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int r = nh * 8 + 2 * t + (c & 1);
+            const int d = LY::vdim(g, 2 * mt + (c >> 1));
+            const float x = o[nh][mt][c] * f[nh][c & 1];
+            so[r][d] = w == 0 ? x : so[r][d] + x;
+          }
     }
     __syncthreads();
   }
