@@ -199,35 +199,32 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
 #pragma unroll
   for (int nh = 0; nh < NH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
 
-  // K/V fragments of the current step, and of the next one, loaded while this one computes.
   uint32_t kr[2][LY::kKWords], vr[4][LY::kVWords];
-  uint32_t kn[2][LY::kKWords], vn[4][LY::kVWords];
-  auto load_step = [&](int s0, uint32_t (&kd)[2][LY::kKWords], uint32_t (&vd)[4][LY::kVWords]) {
+  auto load_step = [&](int s0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int tok = s0 + g + 8 * i;
       if (tok >= first && tok < w1) {
-        LY::load_k_row(row_ptr(p.key_cache, p.k_stride0, tok), t, kd[i]);
+        LY::load_k_row(row_ptr(p.key_cache, p.k_stride0, tok), t, kr[i]);
       } else {
 #pragma unroll
-        for (int j = 0; j < LY::kKWords; ++j) kd[i][j] = 0u;
+        for (int j = 0; j < LY::kKWords; ++j) kr[i][j] = 0u;
       }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int tok = s0 + 2 * t + (i & 1) + 8 * (i >> 1);
       if (tok >= first && tok < w1) {
-        LY::load_v_row(row_ptr(p.value_cache, p.v_stride0, tok), g, vd[i]);
+        LY::load_v_row(row_ptr(p.value_cache, p.v_stride0, tok), g, vr[i]);
       } else {
 #pragma unroll
-        for (int j = 0; j < LY::kVWords; ++j) vd[i][j] = 0u;
+        for (int j = 0; j < LY::kVWords; ++j) vr[i][j] = 0u;
       }
     }
   };
 
-  if (s_begin < w1) load_step(s_begin, kr, vr);
   for (int s0 = s_begin; s0 < w1; s0 += kStep) {
-    if (s0 + kStep < w1) load_step(s0 + kStep, kn, vn);
+    load_step(s0);
     // ---- S^T = K Q^T: 16 tokens (rows g: token s0+g, g+8: token s0+8+g) x 8 heads per tile ----
     float s[NH][4];
 #pragma unroll
@@ -314,14 +311,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
         for (int nh = 0; nh < NH; ++nh) mma16816<kBf>(o[nh][q], a, pb[nh][0], pb[nh][1]);
       }
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < LY::kKWords; ++j) kr[i][j] = kn[i][j];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < LY::kVWords; ++j) vr[i][j] = vn[i][j];
   }
 
   // ---- merge the four warps through shared memory ----
