@@ -75,38 +75,6 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   return y;
 }
 
-// Asynchronous global -> shared copies of 4, 8 or 16 bytes; an invalid source copies nothing and
-// zero-fills the destination (src-size 0), so masked tokens never touch memory.
-template <int N>
-__device__ __forceinline__ void cp_async(uint32_t smem_addr, const void* src, bool valid) {
-  const int n = valid ? N : 0;
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(src), "r"(n));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(smem_addr), "l"(src), "n"(N), "r"(n));
-  }
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// Read back n (4, 8, 12 or 16) bytes of a 16-byte shared-memory unit into words.
-template <int N>
-__device__ __forceinline__ void lds(const uint8_t* p, uint32_t* w) {
-  if constexpr (N == 16) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-  } else if constexpr (N == 8) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    w[0] = v.x; w[1] = v.y;
-  } else {
-    static_assert(N == 4, "unsupported width");
-    w[0] = *reinterpret_cast<const uint32_t*>(p);
-  }
-}
-
 // Loads of 2, 4, 8 or 16 bytes into 32-bit words (a 2-byte load fills the low half of one word).
 template <int N>
 __device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t* w) {

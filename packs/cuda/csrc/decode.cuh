@@ -64,68 +64,6 @@ struct Layout {
       }
     }
   }
-  // ---- cp.async staging: each thread copies its own K/V bytes into private 16-byte units of a
-  // shared-memory stage ([stage][unit][thread], so reading back is conflict-free) and reads back
-  // only what it copied: no barrier is needed, only cp.async.wait_group.
-  static constexpr int kKTailBytes = 4 * kTailKb * kBpe;
-  static constexpr int kKUnits = kFull + (kKTailBytes == 0 ? 0 : kKTailBytes == 12 ? 3 : 1);
-  static constexpr int kVPiece = kW * kBpe;
-  static constexpr int kVUnits = kNt / kW;
-  static constexpr int kUnits = 2 * kKUnits + 4 * kVUnits;
-  static constexpr int kStageBytes = kUnits * 128 * 16;
-  static constexpr int kBudget = 72 * 1024;  // dynamic shared memory per CTA: 3 CTAs per SM on sm_90
-  static constexpr int kStages = 4 * kStageBytes <= kBudget ? 4 : 3 * kStageBytes <= kBudget ? 3 : 2;
-  static constexpr bool kAsync = kVPiece >= 4 && 2 * kStageBytes <= 96 * 1024;
-  static constexpr int kSmemBytes = kAsync ? kStages * kStageBytes : 0;
-
-  static __device__ __forceinline__ uint32_t unit_addr(uint32_t base, int stage, int u) {
-    return base + ((stage * kUnits + u) * 128 + threadIdx.x) * 16;
-  }
-  static __device__ __forceinline__ const uint8_t* unit_ptr(const uint8_t* base, int stage, int u) {
-    return base + ((stage * kUnits + u) * 128 + threadIdx.x) * 16;
-  }
-  static __device__ __forceinline__ void issue_k_row(uint32_t base, int stage, int u0, const uint8_t* row, int t,
-                                                     bool valid) {
-#pragma unroll
-    for (int c = 0; c < kFull; ++c)
-      cp_async<16>(unit_addr(base, stage, u0 + c), row + (c * kChunk + kEpl * t) * kBpe, valid);
-    if constexpr (kKTailBytes > 0) {
-      const uint8_t* p = row + (kFull * kChunk + 4 * kTailKb * t) * kBpe;
-      if constexpr (kKTailBytes == 12) {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) cp_async<4>(unit_addr(base, stage, u0 + kFull + i), p + 4 * i, valid);
-      } else {
-        cp_async<kKTailBytes>(unit_addr(base, stage, u0 + kFull), p, valid);
-      }
-    }
-  }
-  static __device__ __forceinline__ void read_k_row(const uint8_t* base, int stage, int u0, uint32_t (&w)[kKWords]) {
-#pragma unroll
-    for (int c = 0; c < kFull; ++c) lds<16>(unit_ptr(base, stage, u0 + c), &w[c * 4]);
-    if constexpr (kKTailBytes > 0) {
-      if constexpr (kKTailBytes == 12) {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) lds<4>(unit_ptr(base, stage, u0 + kFull + i), &w[kFull * 4 + i]);
-      } else {
-        lds<kKTailBytes>(unit_ptr(base, stage, u0 + kFull), &w[kFull * 4]);
-      }
-    }
-  }
-  static __device__ __forceinline__ void issue_v_row(uint32_t base, int stage, int u0, const uint8_t* row, int g,
-                                                     bool valid) {
-    if constexpr (kAsync) {
-#pragma unroll
-      for (int i = 0; i < kVUnits; ++i)
-        cp_async<kVPiece>(unit_addr(base, stage, u0 + i), row + (i * 8 * kW + g * kW) * kBpe, valid);
-    }
-  }
-  static __device__ __forceinline__ void read_v_row(const uint8_t* base, int stage, int u0, uint32_t (&w)[kVWords]) {
-    if constexpr (kAsync) {
-#pragma unroll
-      for (int i = 0; i < kVUnits; ++i) lds<kVPiece>(unit_ptr(base, stage, u0 + i), &w[i * kVPiece / 4]);
-    }
-  }
-
   static __device__ __forceinline__ void load_v_row(const uint8_t* row, int g, uint32_t (&w)[kVWords]) {
     constexpr int pb = kW * kBpe;  // bytes per piece
 #pragma unroll
@@ -262,15 +200,12 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   for (int nh = 0; nh < NH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
 
   uint32_t kr[2][LY::kKWords], vr[4][LY::kVWords];
-  auto k_tok = [&](int s0, int i) { return s0 + g + 8 * i; };
-  auto v_tok = [&](int s0, int i) { return s0 + 2 * t + (i & 1) + 8 * (i >> 1); };
-  auto live = [&](int tok) { return tok >= first && tok < w1; };
-  // Direct loads into registers (configurations without cp.async staging).
   auto load_step = [&](int s0) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (live(k_tok(s0, i))) {
-        LY::load_k_row(row_ptr(p.key_cache, p.k_stride0, k_tok(s0, i)), t, kr[i]);
+      const int tok = s0 + g + 8 * i;
+      if (tok >= first && tok < w1) {
+        LY::load_k_row(row_ptr(p.key_cache, p.k_stride0, tok), t, kr[i]);
       } else {
 #pragma unroll
         for (int j = 0; j < LY::kKWords; ++j) kr[i][j] = 0u;
@@ -278,55 +213,18 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (live(v_tok(s0, i))) {
-        LY::load_v_row(row_ptr(p.value_cache, p.v_stride0, v_tok(s0, i)), g, vr[i]);
+      const int tok = s0 + 2 * t + (i & 1) + 8 * (i >> 1);
+      if (tok >= first && tok < w1) {
+        LY::load_v_row(row_ptr(p.value_cache, p.v_stride0, tok), g, vr[i]);
       } else {
 #pragma unroll
         for (int j = 0; j < LY::kVWords; ++j) vr[i][j] = 0u;
       }
     }
   };
-  // cp.async staging, kStages - 1 steps ahead; masked tokens are zero-filled without a read.
-  extern __shared__ __align__(16) uint8_t stage_mem[];
-  const uint32_t sbase = smem_u32(stage_mem);
-  auto issue_step = [&](int s0, int stage) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const bool ok = live(k_tok(s0, i));
-      LY::issue_k_row(sbase, stage, i * LY::kKUnits,
-                      ok ? row_ptr(p.key_cache, p.k_stride0, k_tok(s0, i)) : p.key_cache, t, ok);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const bool ok = live(v_tok(s0, i));
-      LY::issue_v_row(sbase, stage, 2 * LY::kKUnits + i * LY::kVUnits,
-                      ok ? row_ptr(p.value_cache, p.v_stride0, v_tok(s0, i)) : p.value_cache, g, ok);
-    }
-  };
-  const int nsteps = s_begin < w1 ? (w1 - s_begin + kStep - 1) / kStep : 0;
-  if constexpr (LY::kAsync) {
-#pragma unroll
-    for (int j = 0; j < LY::kStages - 1; ++j) {
-      if (j < nsteps) issue_step(s_begin + j * kStep, j);
-      cp_async_commit();
-    }
-  }
 
-  for (int step = 0; step < nsteps; ++step) {
-    const int s0 = s_begin + step * kStep;
-    if constexpr (LY::kAsync) {
-      const int ahead = step + LY::kStages - 1;
-      if (ahead < nsteps) issue_step(s_begin + ahead * kStep, ahead % LY::kStages);
-      cp_async_commit();
-      cp_async_wait<LY::kStages - 1>();
-      const int stage = step % LY::kStages;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) LY::read_k_row(stage_mem, stage, i * LY::kKUnits, kr[i]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) LY::read_v_row(stage_mem, stage, 2 * LY::kKUnits + i * LY::kVUnits, vr[i]);
-    } else {
-      load_step(s0);
-    }
+  for (int s0 = s_begin; s0 < w1; s0 += kStep) {
+    load_step(s0);
     // ---- S^T = K Q^T: 16 tokens (rows g: token s0+g, g+8: token s0+8+g) x 8 heads per tile ----
     float s[NH][4];
 #pragma unroll
@@ -475,16 +373,6 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
       if (d == 0) { p.part_ml[2 * slot] = M; p.part_ml[2 * slot + 1] = Lsum; }
     }
   }
-}
-
-// Launch one instantiation with the dynamic shared memory its staging needs.
-template <Kind K, int D, int NH>
-inline void launch_decode_kernel(dim3 grid, const DecodeParams& p, cudaStream_t stream) {
-  constexpr int smem = Layout<K, D>::kSmemBytes;
-  if constexpr (smem > 48 * 1024) {  // per device and cheap; above 48 KiB an opt-in is required
-    cudaFuncSetAttribute(decode_kernel<K, D, NH>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  }
-  decode_kernel<K, D, NH><<<grid, kThreads, smem, stream>>>(p);
 }
 
 // Merge partitions: out = v_scale * sum_p w_p O_p / sum_p w_p with w_p = l_p 2^(m_p - max m).

@@ -10,8 +10,8 @@ int launch_decode_e4m3(int head_size, const DecodeParams& p, cudaStream_t stream
   switch (head_size) {
 #define HAL_CASE(D)                                                                        \
     case D:                                                                                \
-      if (two) launch_decode_kernel<Kind::E4M3, D, 2>(grid, p, stream);        \
-      else launch_decode_kernel<Kind::E4M3, D, 1>(grid, p, stream);            \
+      if (two) decode_kernel<Kind::E4M3, D, 2><<<grid, kThreads, 0, stream>>>(p);        \
+      else decode_kernel<Kind::E4M3, D, 1><<<grid, kThreads, 0, stream>>>(p);            \
       break;
     HAL_CUDA_HEAD_SIZES(HAL_CASE)
 #undef HAL_CASE
