@@ -103,13 +103,17 @@ def test_saturation_nan_and_zero(dtype):
 
 
 def test_encode_divides_by_scale_in_float32_and_broadcasts_per_head():
-    x = torch.randn(5, 3, 8)
+    x = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(11))
     s = torch.tensor([0.5, 0.01, 2.0])
     q = fp8.encode(x, torch.float8_e4m3fn, s, head_dim=1)
     expect = fp8.encode_bytes(x.float() / s.view(1, 3, 1), torch.float8_e4m3fn)
     assert torch.equal(q.view(torch.uint8), expect)
     back = fp8.decode(q, s, torch.float32, head_dim=1)
-    assert torch.allclose(back, x, rtol=2 ** -3, atol=0.01 * 2 ** -6)  # e4m3: 3 mantissa bits
+    # e4m3 keeps 3 mantissa bits (half an ulp: 2^-4 relative); below its smallest normal the step is
+    # the subnormal quantum 2^-9, so the absolute error there is at most scale * 2^-10.
+    err = (back - x).abs()
+    bound = 2 ** -4 * x.abs() + s.view(1, 3, 1) * 2 ** -10
+    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 def test_fn_to_fnuz_bit_for_bit_over_all_bytes():

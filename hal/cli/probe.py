@@ -168,7 +168,8 @@ def render(report: dict, console) -> None:
             sup = p["supports"].get("paged_attention", {})
             sup_text = "\n".join(f"{k}: {v if not isinstance(v, list) else ', '.join(map(str, v))}"
                                  for k, v in sup.items())
-            info = "\n".join(p["reasons"]) or ", ".join(f"{k}: {v}" for k, v in p["build_info"].items())
+            info = "\n".join(p["reasons"] + [f"{k}: {v}" for k, v in p["build_info"].items()
+                                              if isinstance(v, (str, list, int, float))])
             table.add_row(p["name"], "[green]yes[/]" if p["available"] else "[red]no[/]",
                           p["native_for_target"], info, sup_text)
         console.print(table)

@@ -1,0 +1,51 @@
+"""Helpers for the rocm pack's tests: code objects and CPU emulation libraries built once per process.
+
+Code objects come from the installed pack when they were built from the same sources (the source hash
+in ``build_info.json``), otherwise they are compiled into a temporary folder with the same flags
+(:func:`build.build_code_objects`), so the tests work from a checkout without ``pip install``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import pathlib
+import shutil
+import tempfile
+
+from . import build, emulator, pack
+
+_TMP: list[str] = []
+
+
+def _tmpdir() -> pathlib.Path:
+    if not _TMP:
+        _TMP.append(tempfile.mkdtemp(prefix="hal-rocm-"))
+        atexit.register(shutil.rmtree, _TMP[0], True)
+    return pathlib.Path(_TMP[0])
+
+
+def compiler_missing() -> str | None:
+    """None when a clang with the AMDGPU target is available, else why not (tests skip with it)."""
+    path, how = build.find_clang()
+    return None if path else how
+
+
+@functools.cache
+def code_objects(csrc: str) -> pathlib.Path:
+    """A folder with ``<arch>/hal_rocm.hsaco`` and ``build_info.json`` built from ``csrc``."""
+    installed = pack.build_info(pack.CODE_OBJECTS)
+    if installed.get("source_hash") == build.source_hash(csrc) and pack.built_archs(pack.CODE_OBJECTS):
+        return pack.CODE_OBJECTS
+    out = _tmpdir() / "codeobjects"
+    build.build_code_objects(out, csrc=csrc, log=lambda *_: None)
+    return out
+
+
+@functools.cache
+def emulation(csrc: str, arch: str) -> emulator.Emulator:
+    """The CPU emulation of ``arch`` ("gfx942": hardware fnuz FP8 conversions; "gfx90a": software)."""
+    if arch not in ("gfx942", "gfx90a"):
+        raise ValueError(f"the emulation covers gfx942 and gfx90a, not {arch}")
+    lib = build.emulation_library(_tmpdir() / "emu", fnuz_hw=arch == "gfx942", csrc=csrc)
+    return emulator.Emulator(lib)
