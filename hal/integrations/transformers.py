@@ -1,0 +1,268 @@
+"""hal inside a transformers model: attention layers write K/V with :func:`hal.cache_kv` and decode
+with :func:`hal.paged_attention` over a :class:`~hal.integrations.paged_cache.PagedKVCache`.
+
+Extension points, and why these: transformers' ``AttentionInterface`` lets a function replace the
+attention of every layer of models written against it (Llama, Mistral, Qwen2, ... in transformers
+>= 4.48; tested with 5.24), and it receives the post-RoPE query, key and value of the new tokens plus
+the keyword arguments of the model call. So the paged cache travels as a keyword (``hal_cache=``),
+exactly as transformers' own continuous batching passes its paged cache, and no dense K/V is ever
+rebuilt. A custom ``Cache`` class was the other candidate; it was not taken because ``Cache.update``
+must return dense keys for the attention function, the opposite of a paged FP8 cache.
+
+The mask. An attention function registered under a new name gets *no* attention mask unless a mask
+function is registered under the same name (``AttentionMaskInterface``); a function that relied on
+that mask would silently attend to everything (with a sliding-window model that gave perplexity 168
+in the issue's experiment). hal's attention needs no mask: causality and padding are in each query's
+length and block table (:meth:`PagedKVCache.begin_step`), and a sliding window comes from the
+layer's ``sliding_window`` keyword (Mistral, Qwen2, Gemma pass it to the attention function) or
+attribute, and is handed to :func:`hal.paged_attention`. The mask function registered for ``"hal"`` says so by returning None,
+which also spares transformers from building a ``[batch, 1, q, kv]`` mask per step. The tests
+compare the integration with stock attention, including a sliding-window model.
+
+Scope: decoder-only models whose attention calls the ``AttentionInterface`` (Llama-style). A model
+that passes attention sinks (``s_aux``) is refused rather than run without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+import hal
+from hal.integrations.paged_cache import PagedKVCache
+
+__all__ = ["ATTENTION_NAME", "ROUNDTRIP_NAME", "HalRunner", "RoundTrip", "calibrate", "hal_attention",
+           "register", "roundtrip_attention", "using"]
+
+log = logging.getLogger("hal")
+ATTENTION_NAME = "hal"
+ROUNDTRIP_NAME = "hal_roundtrip"
+
+
+def hal_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                  hal_cache: PagedKVCache | None = None, sliding_window=None, softcap=None, s_aux=None,
+                  **kwargs):
+    """transformers attention function: query ``[b, heads, q, d]``, key/value ``[b, kv_heads, q, d]``
+    (post-RoPE, new tokens only) -> ``([b, q, heads, d], None)``."""
+    if hal_cache is None:
+        raise ValueError("attn_implementation 'hal' needs the paged cache as a keyword of the model call "
+                         "(model(..., hal_cache=cache, use_cache=False)); HalRunner does this")
+    if s_aux is not None:
+        raise NotImplementedError("hal attention: attention sinks (s_aux) are not supported")
+    if dropout:
+        raise NotImplementedError("hal attention is for inference: dropout must be 0 (call model.eval())")
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    out = hal_cache.attend(module.layer_idx, query, key, value, scale=scaling,
+                           sliding_window=int(window) if window else None,
+                           logits_soft_cap=float(softcap) if softcap else None)
+    return out, None
+
+
+def _no_mask(*args, **kwargs):
+    """hal attention takes causality, padding and windows from the paged cache's plan: no mask."""
+    return None
+
+
+class RoundTrip:
+    """The plain-PyTorch simulation of a KV cache: each layer's post-RoPE K and V go through the
+    cache encoding and back (``decode(encode(x / s)) * s`` with hal's own FP8 rounding, or a cast for
+    fp16/bf16), then stock SDPA attends over them. What an FP8 cache costs, measured without any
+    kernel: hal's kernels must reproduce it (``hal-eval`` reports both)."""
+
+    def __init__(self, dtype: torch.dtype, scales=None):
+        self.dtype, self.scales = dtype, scales
+
+    def __call__(self, layer: int, x: torch.Tensor, role: int) -> torch.Tensor:
+        if not hal.fp8.is_fp8(self.dtype):
+            return x.to(self.dtype).to(x.dtype)
+        s = 1.0 if self.scales is None else self.scales.for_encoding(self.dtype)[layer][role]
+        return hal.fp8.decode(hal.fp8.encode(x, self.dtype, s, head_dim=1), s, x.dtype, head_dim=1)
+
+
+def roundtrip_attention(module, query, key, value, attention_mask, hal_roundtrip: RoundTrip | None = None,
+                        **kwargs):
+    """Stock SDPA attention over K/V round-tripped through a cache encoding (see :class:`RoundTrip`).
+    Registered with SDPA's mask function under the same name, so it gets the causal (and sliding
+    window) mask stock attention gets."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if hal_roundtrip is not None:
+        key, value = hal_roundtrip(module.layer_idx, key, 0), hal_roundtrip(module.layer_idx, value, 1)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> None:
+    """Register ``"hal"`` (and the simulation ``"hal_roundtrip"``) with transformers'
+    AttentionInterface and AttentionMaskInterface (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, hal_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    AttentionInterface.register(ROUNDTRIP_NAME, roundtrip_attention)
+    AttentionMaskInterface.register(ROUNDTRIP_NAME, sdpa_mask)
+
+
+@contextlib.contextmanager
+def using(model, name: str = ATTENTION_NAME):
+    """Run ``model`` with attention implementation ``name`` inside the block, then restore it."""
+    register()
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _output_embeddings(model):
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings: hal's runner needs a causal LM")
+    return head
+
+
+def _default_query_dtype(model, device: torch.device) -> torch.dtype:
+    """fp32 models send fp32 queries on the CPU (emu serves them); GPU packs want fp16/bf16."""
+    dt = model.dtype
+    if dt in (torch.float16, torch.bfloat16) or device.type == "cpu":
+        return dt
+    return torch.bfloat16
+
+
+class HalRunner:
+    """Drives a transformers causal LM over hal's paged cache: prompt processing, greedy and sampled
+    generation for a batch of prompts of different lengths, and logits for evaluation.
+
+    ``cache_dtype``: the KV-cache encoding (bf16, fp16, or a torch float8 dtype such as
+    ``hal.fp8.native_e4m3()``). ``scales``: :class:`hal.KVScales` for an FP8 cache (from
+    :func:`hal.load_kv_scales` or :func:`calibrate`); None means 1.0 with a logged warning.
+    ``prefill_chunk``: prompt tokens per forward step (bounds activation memory).
+    """
+
+    def __init__(self, model, *, cache_dtype: torch.dtype = torch.bfloat16, scales=None, block_size: int = 16,
+                 prefill_chunk: int = 512, query_dtype: torch.dtype | None = None, pack: str | None = None,
+                 max_query_rows: int = 128):
+        register()
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.cache_dtype, self.scales, self.block_size = cache_dtype, scales, block_size
+        self.prefill_chunk, self.pack, self.max_query_rows = prefill_chunk, pack, max_query_rows
+        self.query_dtype = query_dtype or _default_query_dtype(model, self.device)
+
+    def new_cache(self, max_tokens: int, max_seqs: int = 1, observer=None) -> PagedKVCache:
+        return PagedKVCache.for_model(self.model.config, max_tokens=max_tokens, max_seqs=max_seqs,
+                                      block_size=self.block_size, dtype=self.cache_dtype, device=self.device,
+                                      scales=self.scales, observer=observer, query_dtype=self.query_dtype,
+                                      max_query_rows=self.max_query_rows, pack=self.pack)
+
+    @torch.no_grad()
+    def step(self, cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]] | torch.Tensor,
+             counts: list[int] | None = None) -> torch.Tensor:
+        """Append ``tokens`` (``[batch, q]`` right-padded, ``counts`` valid per row) to the sequences
+        and return the last hidden states ``[batch, q, hidden]`` (padding rows hold junk)."""
+        ids = tokens if isinstance(tokens, torch.Tensor) else _pad(tokens)
+        counts = counts if counts is not None else (
+            [len(t) for t in tokens] if not isinstance(tokens, torch.Tensor) else [ids.shape[1]] * ids.shape[0])
+        plan = cache.begin_step(seq_ids, counts)
+        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        with using(self.model):
+            out = base(input_ids=ids.to(self.device), position_ids=plan.position_ids, use_cache=False,
+                       hal_cache=cache)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _output_embeddings(self.model)(hidden).float()
+
+    @torch.no_grad()
+    def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Process whole prompts in chunks of ``prefill_chunk`` tokens; logits ``[batch, vocab]`` of
+        each prompt's last token."""
+        last = [None] * len(prompts)
+        start = 0
+        while True:
+            rows = [i for i, p in enumerate(prompts) if len(p) > start]
+            if not rows:
+                break
+            chunk = [prompts[i][start:start + self.prefill_chunk] for i in rows]
+            hidden = self.step(cache, [seq_ids[i] for i in rows], chunk)
+            for j, i in enumerate(rows):
+                if len(prompts[i]) <= start + self.prefill_chunk:
+                    last[i] = hidden[j, len(chunk[j]) - 1]
+            start += self.prefill_chunk
+        return self.logits(torch.stack(last))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, *, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
+                 generator: torch.Generator | None = None) -> list[list[int]]:
+        """New tokens for each prompt (token id lists of any lengths). Greedy unless ``do_sample``.
+        A sequence stops at ``eos_token_id`` (int or list) and leaves the batch, freeing its blocks."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+        cache = self.new_cache(sum(len(p) for p in prompts) + len(prompts) * max_new_tokens, len(prompts))
+        sids = [cache.add_sequence() for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        logits = self.prefill(cache, sids, prompts)
+        active = list(range(len(prompts)))
+        for _ in range(max_new_tokens):
+            nxt = _choose(logits, do_sample, temperature, top_k, top_p, generator).tolist()
+            still = []
+            for i, t in zip(active, nxt):
+                out[i].append(t)
+                if t in eos or len(out[i]) >= max_new_tokens:
+                    cache.free_sequence(sids[i])
+                else:
+                    still.append(i)
+            active = still
+            if not active:
+                break
+            hidden = self.step(cache, [sids[i] for i in active], [[out[i][-1]] for i in active])
+            logits = self.logits(hidden[:, -1])
+        return out
+
+
+def _pad(rows: list[list[int]], pad: int = 0) -> torch.Tensor:
+    q = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [pad] * (q - len(r)) for r in rows], dtype=torch.long)
+
+
+def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
+            generator) -> torch.Tensor:
+    """Greedy argmax, or a sample after temperature, top-k and top-p (nucleus) filtering."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling; got {temperature}")
+    x = logits / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, idx = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(srt, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(srt, dim=-1) > top_p   # keep the smallest set reaching top_p
+        x = x.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def calibrate(model, batches, *, per_head: bool = False, block_size: int = 16) -> "hal.KVScaleObserver":
+    """Run ``batches`` (``[batch, tokens]`` id tensors) through the model with a bf16 hal cache and a
+    :class:`hal.KVScaleObserver` fed every layer's post-RoPE K/V; returns the observer
+    (``.scales(encoding, margin=...)`` gives :class:`hal.KVScales` for any FP8 encoding)."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    device = next(model.parameters()).device
+    observer = hal.KVScaleObserver(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None)
+                                   or cfg.num_attention_heads, per_head=per_head, device=device)
+    runner = HalRunner(model, cache_dtype=torch.bfloat16, block_size=block_size)
+    for ids in batches:
+        cache = runner.new_cache(ids.numel(), ids.shape[0], observer=observer)
+        sids = [cache.add_sequence() for _ in range(ids.shape[0])]
+        for s in range(0, ids.shape[1], runner.prefill_chunk):
+            runner.step(cache, sids, ids[:, s:s + runner.prefill_chunk])
+    return observer
