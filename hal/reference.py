@@ -13,45 +13,47 @@ import torch
 from hal import fp8
 
 
-def cache_values(cache: torch.Tensor) -> torch.Tensor:
-    """The numbers a cache holds (before any scale) as float64 on the CPU."""
-    c = cache.detach().cpu()
-    if fp8.is_fp8(c.dtype):
-        return fp8.decode_table(c.dtype, torch.float64)[c.view(torch.uint8).to(torch.int64)]
-    return c.to(torch.float64)
+def _rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The cache rows at (blocks, offsets) as float64 [len, num_kv_heads, head_size], on the cache's
+    device; FP8 bytes decoded through the bit-layout table (not torch's casts)."""
+    if fp8.is_fp8(cache.dtype):
+        raw = cache.view(torch.uint8)[blocks, :, offsets]
+        return fp8.decode_table(cache.dtype, torch.float64, cache.device)[raw.to(torch.int64)]
+    return cache[blocks, :, offsets].to(torch.float64)
 
 
-def _per_head(s, hkv: int) -> torch.Tensor:
+def _per_head(s, hkv: int, device) -> torch.Tensor:
     if isinstance(s, torch.Tensor):
-        return s.detach().cpu().to(torch.float64).reshape(-1).expand(hkv)
-    return torch.full((hkv,), 1.0 if s is None else float(s), dtype=torch.float64)
+        return s.detach().to(device=device, dtype=torch.float64).reshape(-1).expand(hkv)
+    return torch.full((hkv,), 1.0 if s is None else float(s), dtype=torch.float64, device=device)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
                     v_scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
                     sequences=None) -> torch.Tensor:
-    """float64 [num_seqs, num_heads, head_size] on the CPU (rows not in ``sequences`` stay zero)."""
-    q = query.detach().cpu().to(torch.float64)
+    """float64 [num_seqs, num_heads, head_size] on the query's device; only the pages each sequence
+    uses are read, so it scales to large caches (rows not in ``sequences`` stay zero)."""
+    dev = query.device
+    q = query.detach().to(torch.float64)
     n, h, d = q.shape
-    kv, vv = cache_values(key_cache), cache_values(value_cache)
-    hkv, bs = kv.shape[1], kv.shape[2]
+    hkv, bs = key_cache.shape[1], key_cache.shape[2]
     g = h // hkv
-    ks, vs = _per_head(k_scale, hkv), _per_head(v_scale, hkv)
+    ks, vs = _per_head(k_scale, hkv, dev), _per_head(v_scale, hkv, dev)
     sm = d ** -0.5 if scale is None else scale
-    tables, lens = block_tables.cpu().to(torch.int64), seq_lens.cpu().to(torch.int64)
-    slopes = None if alibi_slopes is None else alibi_slopes.detach().cpu().to(torch.float64)
-    out = torch.zeros((n, h, d), dtype=torch.float64)
+    lens = seq_lens.cpu().to(torch.int64)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().to(dev, torch.float64)
+    out = torch.zeros((n, h, d), dtype=torch.float64, device=dev)
     for i in (range(n) if sequences is None else sequences):
         length = int(lens[i])
         lo = 0 if sliding_window is None else max(0, length - sliding_window)
-        pos = torch.arange(lo, length)
+        pos = torch.arange(lo, length, device=dev)
         if pos.numel() == 0:
             continue
-        blocks, offs = tables[i, pos // bs], pos % bs
-        keys = kv[blocks, :, offs] * ks[None, :, None]          # [len, hkv, d]
-        vals = vv[blocks, :, offs] * vs[None, :, None]
+        blocks, offs = block_tables[i].to(torch.int64)[pos // bs], pos % bs
+        keys = _rows(key_cache, blocks, offs) * ks[None, :, None]          # [len, hkv, d]
+        vals = _rows(value_cache, blocks, offs) * vs[None, :, None]
         qi = q[i].view(hkv, g, d)
-        logits = torch.einsum("hgd,thd->hgt", qi, keys) * sm    # [hkv, g, len]
+        logits = torch.einsum("hgd,thd->hgt", qi, keys) * sm              # [hkv, g, len]
         if logits_soft_cap is not None:
             logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
         if slopes is not None:

@@ -6,8 +6,8 @@ What is checked, per problem:
    dtype) over **every** sequence, on the problem's device.
 2. Reference B: float64 over a **subset** of sequences (all of them while the subset's tokens stay
    under ``F64_TOKENS``; else the longest, the shortest and random ones up to that budget, at least
-   two). Written here independently of every pack: pages gathered per sequence, FP8 decoded by
-   torch's own exact cast to float64, textbook softmax. Reference A is itself checked against B
+   two), by :mod:`hal.reference`, written independently of every pack: pages gathered per sequence,
+   FP8 decoded from the bit layout, textbook softmax. Reference A is itself checked against B
    (``ref_err``), so a wrong emu path cannot pass a wrong contender.
 3. A contender's output (written into a NaN-poisoned buffer where the contender takes ``out``) must be
    finite, and its worst per-sequence relative L2 error ``||o_i - r_i|| / ||r_i||`` must be within
@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from hal import reference
 from hal.bench.data import Problem
 
 F64_TOKENS = 1 << 16
@@ -61,26 +62,11 @@ def pick_subset(lens: list[int], budget: int = F64_TOKENS, seed: int = 0) -> lis
 
 
 def float64_outputs(p: Problem, seqs: list[int]) -> torch.Tensor:
-    """[len(seqs), h, d] float64 on the problem's device."""
-    n, h, d = p.query.shape
-    hkv, bs = p.shape.num_kv_heads, p.shape.block_size
-    g = h // hkv
-    ks = 1.0 if p.k_scale is None else p.k_scale
-    vs = 1.0 if p.v_scale is None else p.v_scale
-    outs = []
-    for i in seqs:
-        L = p.lens[i]
-        if L == 0:
-            outs.append(torch.zeros((h, d), dtype=torch.float64, device=p.device))
-            continue
-        blocks = p.block_tables[i, :p.pages(i)].to(torch.long)
-        k = p.key_cache[blocks].to(torch.float64).permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L] * ks
-        v = p.value_cache[blocks].to(torch.float64).permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :L] * vs
-        q = p.query[i].to(torch.float64).reshape(hkv, g, d)
-        logits = q @ k.transpose(1, 2) * p.scale                        # [hkv, g, L]
-        w = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
-        outs.append(((w / w.sum(dim=-1, keepdim=True)) @ v).reshape(h, d))
-    return torch.stack(outs)
+    """[len(seqs), h, d] float64 on the problem's device (hal.reference: pages gathered per sequence,
+    FP8 decoded from the bit layout, textbook softmax; independent of every pack's code path)."""
+    out = reference.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens,
+                                    scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, sequences=seqs)
+    return out[torch.tensor(seqs, dtype=torch.long, device=out.device)]
 
 
 def worst_rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
