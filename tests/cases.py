@@ -94,6 +94,16 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor([2 ** (-8 * (i + 1) / num_heads) for i in range(num_heads)], dtype=torch.float32)
 
 
+# Each optional behaviour alone and all together, for 8 query heads (the packs' feature grids).
+FEATURES = {
+    "alibi": dict(alibi_slopes=alibi_slopes(8)),
+    "soft_cap": dict(logits_soft_cap=2.5),
+    "window": dict(sliding_window=19),
+    "window_1": dict(sliding_window=1),
+    "all": dict(alibi_slopes=alibi_slopes(8), logits_soft_cap=4.0, sliding_window=50),
+}
+
+
 def tolerance_ok(out: torch.Tensor, ref: np.ndarray, compute_rel: float = 1e-5) -> tuple[bool, str]:
     """Element-wise bound: rounding to the output dtype (half an ulp, relative) plus the float32
     compute error (``compute_rel`` of the largest magnitude). Reports the worst ratio to the bound."""

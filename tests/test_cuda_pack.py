@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hal
-from cases import alibi_slopes, gpu_tolerance_ok, make_case
+from cases import FEATURES, gpu_tolerance_ok, make_case
 from hal import registry
 
 CUDA_PRESENT = importlib.util.find_spec("hal.kernelpacks.cuda") is not None
@@ -137,15 +137,6 @@ def test_block_sizes(block_size):
 def test_gqa_ratios(heads, kv_heads, cache):
     _check(make_case(seq_lens=[3, 200, 64], num_heads=heads, num_kv_heads=kv_heads, head_size=128,
                      cache_dtype=cache, query_dtype=_query_for(cache), device="cuda"))
-
-
-FEATURES = {
-    "alibi": dict(alibi_slopes=alibi_slopes(8)),
-    "soft_cap": dict(logits_soft_cap=2.5),
-    "window": dict(sliding_window=19),
-    "window_1": dict(sliding_window=1),
-    "all": dict(alibi_slopes=alibi_slopes(8), logits_soft_cap=4.0, sliding_window=50),
-}
 
 
 @gpu

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hal
-from cases import FP8, alibi_slopes, make_case, tolerance_ok, gpu_tolerance_ok
+from cases import FEATURES, FP8, alibi_slopes, make_case, tolerance_ok, gpu_tolerance_ok
 from hal.kernelpacks.emu import pack as emu_pack
 from hal.kernelpacks.emu import torch_path
 
@@ -79,15 +79,6 @@ def test_gqa_ratios_and_mqa(heads, kv_heads, device):
 def test_scale_forms(scales, cache_dtype, device):
     _check(make_case(device=device, seq_lens=[40, 3], cache_dtype=cache_dtype, num_kv_heads=4,
                      per_head_scales=scales == "per_head", scale_as_tensor=scales == "tensor0d"))
-
-
-FEATURES = {
-    "alibi": dict(alibi_slopes=alibi_slopes(8)),
-    "soft_cap": dict(logits_soft_cap=2.5),
-    "window": dict(sliding_window=19),
-    "window_1": dict(sliding_window=1),
-    "all": dict(alibi_slopes=alibi_slopes(8), logits_soft_cap=4.0, sliding_window=50),
-}
 
 
 @pytest.mark.parametrize("feature", FEATURES)
