@@ -231,3 +231,21 @@ def test_smollm2_small_perplexity_run(smollm2, text_ids):
     assert abs(bf16.ppl / stock.ppl - 1) < 0.005 and bf16.mean_kl < 1e-3
     assert abs(e4m3.ppl / sim.ppl - 1) < 0.02 and abs(e4m3.ppl / stock.ppl - 1) < 0.04
     assert 0 < e4m3.mean_kl < 0.05 and e4m3.pack == "emu"
+
+
+def test_default_query_dtype_follows_a_16bit_cache_on_gpus():
+    """An fp32 model on a GPU sends bf16 queries, except to an fp16 cache: native packs serve a 16-bit
+    cache only with queries of its own dtype (the H200 run once sent fp16 caches to emu this way)."""
+    from hal.integrations.transformers import _default_query_dtype
+
+    class M:
+        dtype = torch.float32
+
+    gpu = torch.device("cuda")
+    assert _default_query_dtype(M(), gpu, torch.float16) == torch.float16
+    assert _default_query_dtype(M(), gpu, torch.bfloat16) == torch.bfloat16
+    assert _default_query_dtype(M(), gpu, torch.float8_e4m3fn) == torch.bfloat16
+    assert _default_query_dtype(M(), torch.device("cpu"), torch.float16) == torch.float32
+    M.dtype = torch.float16
+    assert _default_query_dtype(M(), gpu, torch.bfloat16) == torch.bfloat16
+    assert _default_query_dtype(M(), gpu, torch.float8_e4m3fn) == torch.float16

@@ -124,12 +124,15 @@ def _output_embeddings(model):
     return head
 
 
-def _default_query_dtype(model, device: torch.device) -> torch.dtype:
-    """fp32 models send fp32 queries on the CPU (emu serves them); GPU packs want fp16/bf16."""
+def _default_query_dtype(model, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
+    """The CPU keeps the model's dtype (emu serves fp32 too). GPU packs want fp16/bf16 queries, and a
+    16-bit cache queries of its own dtype (native packs do not mix fp16 with bf16)."""
     dt = model.dtype
-    if dt in (torch.float16, torch.bfloat16) or device.type == "cpu":
+    if device.type == "cpu":
         return dt
-    return torch.bfloat16
+    if cache_dtype in (torch.float16, torch.bfloat16):
+        return cache_dtype
+    return dt if dt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 class HalRunner:
@@ -150,7 +153,7 @@ class HalRunner:
         self.device = next(model.parameters()).device
         self.cache_dtype, self.scales, self.block_size = cache_dtype, scales, block_size
         self.prefill_chunk, self.pack, self.max_query_rows = prefill_chunk, pack, max_query_rows
-        self.query_dtype = query_dtype or _default_query_dtype(model, self.device)
+        self.query_dtype = query_dtype or _default_query_dtype(model, self.device, cache_dtype)
 
     def new_cache(self, max_tokens: int, max_seqs: int = 1, observer=None) -> PagedKVCache:
         return PagedKVCache.for_model(self.model.config, max_tokens=max_tokens, max_seqs=max_seqs,

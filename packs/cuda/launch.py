@@ -6,26 +6,19 @@ Thin on purpose: validation happened in hal (hal/validate.py), the kernels live 
 from __future__ import annotations
 
 import functools
-import json
-import pathlib
 
 import torch
 
 from hal.kernelpacks.cuda import _C
+from hal.kernelpacks.cuda.tuning import shape_class, split, tuning_for
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-HEAD_TILE = 16  # query heads per MMA tile
-
-
-@functools.cache
-def tuning_table() -> dict:
-    return json.loads((pathlib.Path(__file__).with_name("tuning.json")).read_text())
-
-
-def tuning_for(arch: str) -> dict:
-    table = tuning_table()
-    return {**table["default"], **table.get(arch, {})}
+# Query heads per CTA: 16 (two 8-head MMA tiles sharing each K/V fragment) for 16-bit caches; 8 for
+# FP8, where the lighter one-tile kernel wins even though a GQA group above 8 then has each KV page
+# read by two CTAs (the second read mostly hits L2). H200, 2026-11-29, GQA 16 and 20: FP8 1.2-1.6x
+# faster with 8; bf16 1.0-1.15x faster with 16 (docs/cuda.md).
+HEAD_TILE = {1: 8, 2: 16}  # by cache element size
 
 
 @functools.cache
@@ -34,20 +27,12 @@ def _device_facts(index: int) -> tuple[int, str]:
     return props.multi_processor_count, f"sm_{props.major}{props.minor}"
 
 
-def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device) -> tuple[int, int]:
-    """(partition_size, num_parts): one pass when the grid already fills the GPU, else split the
-    context until about ``waves`` full waves of CTAs exist, never below ``min_partition`` tokens."""
+def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device,
+         cache_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[int, int]:
+    """(partition_size, num_parts) for a call, from this GPU's tuning entry (see tuning.split)."""
     sms, arch = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
-    t = tuning_for(arch)
-    max_len = max(max_len, 1)
-    base = max(1, num_seqs * num_kv_heads * head_tiles)
-    target = sms * t["ctas_per_sm"] * t["waves"]
-    whole = -(-max_len // 64) * 64
-    if base >= target or whole <= t["min_partition"]:
-        return whole, 1
-    parts = min(-(-target // base), -(-max_len // t["min_partition"]))
-    size = -(-(-(-max_len // parts)) // 64) * 64
-    return size, -(-max_len // size)
+    params = tuning_for(arch, shape_class(cache_dtype, max_len))
+    return split(num_seqs * num_kv_heads * head_tiles, max_len, sms, params)
 
 
 def _scale(s) -> tuple[float, int, int]:
@@ -64,9 +49,9 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
     if n == 0:
         return
     dev = query.device
-    head_tiles = -(-(h // hkv) // HEAD_TILE)
+    head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    size, parts = plan(n, hkv, head_tiles, max_len, dev)
+    size, parts = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype)
     if parts > 1:
         part_out = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
         part_ml = torch.empty((n, h, parts, 2), dtype=torch.float32, device=dev)

@@ -87,8 +87,8 @@ class CudaPack(Pack):
             if major * 10 + minor < MIN_SM:
                 reasons.append(f"the GPU is sm_{major}{minor}; the cuda pack needs sm_{MIN_SM}+")
             if not reasons:
-                from hal.kernelpacks.cuda.launch import tuning_for
-                info["tuning"] = tuning_for(f"sm_{major}{minor}")
+                from hal.kernelpacks.cuda.tuning import summary
+                info["tuning"] = summary(f"sm_{major}{minor}")
         return Availability(not reasons, tuple(reasons), info)
 
     def reasons(self, key: CallKey, target: Target) -> list[str]:

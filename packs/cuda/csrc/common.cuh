@@ -93,6 +93,15 @@ __device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t* w) {
   }
 }
 
+// An 8-byte shared-memory load the compiler may not hoist out of a loop (which would pin the value
+// in registers for the whole loop).
+__device__ __forceinline__ uint2 lds_u2(const uint2* p) {
+  uint2 v;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+
 // 2^x with the SFU (relative error ~2^-22); softmax weights need no more.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

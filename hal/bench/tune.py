@@ -1,0 +1,151 @@
+"""tools/tune: choose the cuda pack's launch parameters per shape class on this GPU.
+
+For each shape class of ``packs/cuda/tuning.json`` (fp8 | 16bit cache x short | long context) it
+times ``hal.paged_attention`` on a few representative shapes under every candidate of a small grid
+(``ctas_per_sm`` x ``waves`` x ``min_partition``), scores a candidate by
+the geometric mean over the shapes of its time relative to the best candidate's time for that shape,
+and keeps the best. Every candidate's output is compared with the first one's (a split of the context
+changes only the order of float sums). ``--write`` stores the result under this GPU's arch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import logging
+import math
+import sys
+
+import torch
+
+log = logging.getLogger("hal")
+
+CLASS_SHAPES = {
+    "long": ["64x4096x32x8x128", "16x32768x32x8x128", "32x8192x64x8x128", "4x16384x32x8x128",
+             "1x32768x32x8x128", "32x8192x32x8x64:ragged"],
+    "short": ["256x1024x32x8x128", "64x2048x32x8x128", "32x1024x32x8x128", "128x512x32x4x64:ragged"],
+}
+WIDTH_DTYPES = {"fp8": torch.float8_e4m3fn, "16bit": torch.bfloat16}
+# A call aims for sms * ctas_per_sm * waves CTAs; the grid spans 3 to 24 CTAs per SM in all.
+CTAS_PER_SM = (3, 4)
+WAVES = (1, 1.5, 2, 3, 4, 6)
+MIN_PARTITIONS = (256, 512, 1024)
+
+
+def candidates() -> list[dict]:
+    return [{"ctas_per_sm": c, "waves": w, "min_partition": m}
+            for c, w, m in itertools.product(CTAS_PER_SM, WAVES, MIN_PARTITIONS)]
+
+
+def score(times: dict[str, list[float]], n: int) -> list[float]:
+    """Per candidate: the geometric mean over shapes of its time / the best time for that shape
+    (1.0: best on every shape)."""
+    best = {s: min(r) for s, r in times.items()}
+    return [math.exp(sum(math.log(times[s][i] / best[s]) for s in times) / len(times)) for i in range(n)]
+
+
+def tune_class(cls: str, timer, device, budget_s: float) -> dict:
+    from hal.bench import data, shapes
+    from hal.kernelpacks.cuda import launch, tuning
+
+    import hal
+
+    width, length = cls.split("-")
+    kv = WIDTH_DTYPES[width]
+    cands = candidates()
+    times: dict[str, list[float]] = {}
+    for spec in CLASS_SHAPES[length]:
+        prob = data.build(shapes.parse(spec), kv, device)
+        kw = {"k_scale": prob.k_scale, "v_scale": prob.v_scale} if prob.k_scale is not None else {}
+        out = torch.empty_like(prob.query)
+
+        # max_seq_len given, as an engine would: without it the call reads seq_lens back (a host
+        # sync inside the timed interval) and the timing would include launch overhead.
+        def call():
+            hal.paged_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_tables, prob.seq_lens,
+                                scale=prob.scale, out=out, pack="cuda", max_seq_len=prob.max_seq_len, **kw)
+
+        row, first = [], None
+        for c in cands:
+            tuning.set_override(c)
+            try:
+                call()
+                got = out.float().clone()
+                if first is None:
+                    first = got
+                elif not torch.allclose(got, first, rtol=1e-2, atol=1e-3):
+                    raise RuntimeError(f"{spec} {c}: the output differs from the first candidate's "
+                                       f"(max abs diff {(got - first).abs().max().item():.3g})")
+                row.append(timer.run(call, reps=20, warmup=2, budget_s=budget_s).median_s)
+            finally:
+                tuning.set_override(None)
+        times[spec] = row
+        del prob
+    scores = score(times, len(cands))
+    pick = min(range(len(cands)), key=lambda i: (scores[i], i))
+    current = tuning.tuning_for(launch._device_facts(device.index or 0)[1], cls)
+    cur_i = next((i for i, c in enumerate(cands) if c == current), None)
+    return {"class": cls, "kv_dtype": str(kv).removeprefix("torch."), "shapes": list(times),
+            "candidates": cands, "times_s": times, "scores": scores, "best": cands[pick],
+            "best_score": scores[pick], "current": current,
+            "current_score": None if cur_i is None else scores[cur_i]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    ap = argparse.ArgumentParser(prog="tools/tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--classes", default="fp8-long,fp8-short,16bit-long,16bit-short",
+                    help="comma-separated shape classes to tune")
+    ap.add_argument("--budget", type=float, default=0.4, help="seconds of timed reps per shape and candidate")
+    ap.add_argument("--write", action="store_true", help="store the choices in packs/cuda/tuning.json under this arch")
+    ap.add_argument("--json", help="write every timing here")
+    args = ap.parse_args(argv)
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("[red]tools/tune needs an NVIDIA GPU (the cuda pack)[/red]")
+        return 2
+    from hal.bench.timing import Timer
+    from hal.kernelpacks.cuda import launch, tuning
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = launch._device_facts(device.index)[1]
+    timer = Timer(device)
+    results = []
+    for cls in args.classes.split(","):
+        res = tune_class(cls.strip(), timer, device, args.budget)
+        results.append(res)
+        t = Table(title=f"{cls} ({res['kv_dtype']} cache) on {torch.cuda.get_device_name(device)} ({arch})")
+        t.add_column("ctas/SM")
+        t.add_column("waves")
+        t.add_column("min_partition")
+        for s in res["shapes"]:
+            t.add_column(s + " µs", justify="right")
+        t.add_column("score", justify="right")
+        for i, c in enumerate(res["candidates"]):
+            mark = " *" if c == res["best"] else ""
+            t.add_row(str(c["ctas_per_sm"]), str(c["waves"]), str(c["min_partition"]),
+                      *[f"{res['times_s'][s][i] * 1e6:.1f}" for s in res["shapes"]], f"{res['scores'][i]:.3f}{mark}")
+        console.print(t)
+        cur = res["current_score"]
+        console.print(f"{cls}: best {res['best']} (score {res['best_score']:.3f}); the table's current entry "
+                      f"{res['current']} scores {'n/a' if cur is None else f'{cur:.3f}'}")
+    stamp = {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
+             "command": "tools/tune " + " ".join(argv if argv is not None else sys.argv[1:]),
+             "torch": torch.__version__}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"arch": arch, **stamp, "results": results}, f, indent=1)
+    if args.write:
+        table = json.loads(tuning.TUNING_FILE.read_text())
+        entry = table.setdefault(arch, {"classes": dict(table["default"]["classes"])})
+        for res in results:
+            entry["classes"][res["class"]] = res["best"]
+        entry["measured"] = stamp
+        tuning.TUNING_FILE.write_text(json.dumps(table, indent=2) + "\n")
+        tuning.tuning_table.cache_clear()
+        console.print(f"wrote {arch} into {tuning.TUNING_FILE}")
+    return 0

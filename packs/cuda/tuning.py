@@ -1,0 +1,73 @@
+"""The cuda pack's tuning table (``tuning.json``): launch parameters per arch and shape class.
+
+``tools/tune`` measures them on a GPU and writes its arch's entry; archs without one use
+``default``. Readable without the compiled module (hal-probe, tests)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import torch
+
+TUNING_FILE = pathlib.Path(__file__).with_name("tuning.json")
+CLASSES = ("fp8-short", "fp8-long", "16bit-short", "16bit-long")
+SHORT_CONTEXT = 2048  # longest sequence at or below this: the "short" shape classes
+_override: dict | None = None  # tools/tune's candidate, replacing the table's entry while it times
+
+
+@functools.cache
+def tuning_table() -> dict:
+    return json.loads(TUNING_FILE.read_text())
+
+
+def shape_class(cache_dtype: torch.dtype, max_len: int) -> str:
+    """The shape class of a call: cache width (fp8 | 16bit) and context (short | long)."""
+    width = "fp8" if cache_dtype.itemsize == 1 else "16bit"
+    return f"{width}-{'short' if max_len <= SHORT_CONTEXT else 'long'}"
+
+
+def tuning_for(arch: str, cls: str | None = None) -> dict:
+    """Launch parameters for ``arch`` (e.g. ``sm_90``) and a shape class; without a class, the whole
+    entry with ``source`` (the arch, or ``default``)."""
+    table = tuning_table()
+    entry = table.get(arch)
+    source = arch if entry is not None else "default"
+    entry = entry if entry is not None else table["default"]
+    if cls is None:
+        return {"source": source, **entry}
+    if _override is not None:
+        return dict(_override)
+    return dict(entry["classes"][cls])
+
+
+def set_override(params: dict | None) -> None:
+    """tools/tune: use ``params`` for every call instead of the table (None restores the table)."""
+    global _override
+    _override = None if params is None else dict(params)
+
+
+def split(ctas: int, max_len: int, sms: int, params: dict) -> tuple[int, int]:
+    """(partition_size, num_parts): one pass when the ``ctas`` of one pass (sequences x KV heads x
+    head tiles) reach the target ``sms * ctas_per_sm * waves``; else the context is cut into
+    partitions (multiples of 64 tokens, never below ``min_partition``) until about that many exist."""
+    max_len = max(max_len, 1)
+    base = max(1, ctas)
+    target = int(sms * params["ctas_per_sm"] * params["waves"])
+    whole = -(-max_len // 64) * 64
+    if base >= target or whole <= params["min_partition"]:
+        return whole, 1
+    parts = min(-(-target // base), -(-max_len // params["min_partition"]))
+    size = -(-(-(-max_len // parts)) // 64) * 64
+    return size, -(-max_len // size)
+
+
+def summary(arch: str) -> str:
+    """One line per shape class of the entry ``arch`` uses, for hal-probe."""
+    t = tuning_for(arch)
+    m = t.get("measured")
+    head = f"tuning {t['source']}" + (f" (tools/tune on {m['device']}, {m['date']})" if m else " (hand-set)")
+    lines = [f"{c}: aims for {v['ctas_per_sm'] * v['waves']:g} CTAs per SM, partitions >= {v['min_partition']} tokens"
+             for c, v in t["classes"].items()]
+    return "\n".join([head + ":"] + lines)

@@ -1,0 +1,83 @@
+"""The cuda pack's tuning table and partition planning (CPU; the table is data, the plan arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hal.bench import tune
+from hal.kernelpacks.cuda import tuning
+
+
+def test_every_entry_covers_every_class_with_sane_values():
+    table = tuning.tuning_table()
+    entries = {k: v for k, v in table.items() if not k.startswith("_")}
+    assert "default" in entries
+    for name, entry in entries.items():
+        assert set(entry["classes"]) == set(tuning.CLASSES), name
+        for cls, p in entry["classes"].items():
+            assert p["ctas_per_sm"] >= 1 and p["waves"] > 0, (name, cls)
+            assert p["min_partition"] >= 64 and p["min_partition"] % 64 == 0, (name, cls)
+        if name != "default":
+            assert {"device", "date", "command"} <= set(entry["measured"]), name
+
+
+@pytest.mark.parametrize("dtype,max_len,cls", [
+    (torch.float8_e4m3fn, 1, "fp8-short"), (torch.float8_e5m2, 2048, "fp8-short"),
+    (torch.float8_e4m3fn, 2049, "fp8-long"), (torch.bfloat16, 2048, "16bit-short"),
+    (torch.float16, 1 << 20, "16bit-long")])
+def test_shape_class(dtype, max_len, cls):
+    assert tuning.shape_class(dtype, max_len) == cls
+
+
+def test_unknown_arch_uses_default_and_override_wins_until_cleared():
+    assert tuning.tuning_for("sm_999")["source"] == "default"
+    assert tuning.tuning_for("sm_999", "fp8-long") == tuning.tuning_table()["default"]["classes"]["fp8-long"]
+    cand = {"ctas_per_sm": 7, "waves": 3, "min_partition": 512}
+    tuning.set_override(cand)
+    try:
+        assert tuning.tuning_for("sm_90", "16bit-short") == cand
+    finally:
+        tuning.set_override(None)
+    assert tuning.tuning_for("sm_90", "16bit-short") != cand
+
+
+def test_summary_names_the_source_and_every_class():
+    text = tuning.summary("sm_999")
+    assert text.startswith("tuning default")
+    for cls in tuning.CLASSES:
+        assert cls in text
+
+
+P = {"ctas_per_sm": 3, "waves": 2, "min_partition": 256}
+
+
+@pytest.mark.parametrize("ctas,max_len,expect", [
+    (1000, 4096, (4096, 1)),   # the grid already holds 792 CTAs: one pass
+    (10, 200, (256, 1)),       # no longer than one partition: one pass, rounded up to 64
+    (8, 32768, (384, 86)),     # 792 / 8 = 99 parts of 331 tokens, rounded up to 384: 86 parts
+    (100, 4096, (512, 8)),     # 8 parts of 512
+    (100, 1000, (256, 4)),     # 8 parts wanted, but partitions stay >= 256 tokens
+])
+def test_split(ctas, max_len, expect):
+    size, parts = tuning.split(ctas, max_len, 132, P)
+    assert (size, parts) == expect
+    assert size % 64 == 0 and size * parts >= max_len > size * (parts - 1)
+
+
+def test_split_never_below_min_partition():
+    size, parts = tuning.split(1, 1 << 20, 132, {"ctas_per_sm": 4, "waves": 6, "min_partition": 1024})
+    assert size >= 1024 and parts == -(-(1 << 20) // size)
+
+
+def test_tune_score_is_relative_to_the_best_per_shape():
+    times = {"a": [1.0, 2.0, 1.0], "b": [4.0, 2.0, 2.0]}
+    s = tune.score(times, 3)
+    assert s[2] == pytest.approx(1.0)                    # best on both shapes
+    assert s[0] == pytest.approx((1.0 * 2.0) ** 0.5)     # best on a, 2x on b
+    assert s[1] == pytest.approx((2.0 * 1.0) ** 0.5)
+
+
+def test_candidates_are_valid_entries():
+    for c in tune.candidates():
+        assert c["min_partition"] % 64 == 0 and c["ctas_per_sm"] * c["waves"] >= 1
