@@ -15,6 +15,7 @@
 //   shared memory; partitions merge in a second kernel by log-sum-exp.
 #pragma once
 #include "common.cuh"
+#include "layout.cuh"
 #include "params.h"
 
 namespace hal_cuda {
@@ -23,62 +24,6 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStep = 16;  // tokens per warp iteration (two n8 tiles for QK, one k16 block for PV)
 
-template <Kind K, int D>
-struct Layout {
-  static constexpr int kBpe = Traits<K>::kBytes;
-  static constexpr int kEpl = 16 / kBpe;             // elements per 16-byte load
-  static constexpr int kKbPerChunk = kEpl / 4;       // k-blocks a thread covers per full chunk
-  static constexpr int kChunk = 4 * kEpl;            // dims per chunk (4 threads x 16 bytes)
-  static constexpr int kFull = D / kChunk;
-  static constexpr int kTailKb = (D % kChunk) / 16;  // k-blocks in the last, partial chunk
-  static constexpr int kKb = D / 16;                 // k-blocks (QK) per row
-  static constexpr int kKWords = kKb * kBpe;         // 32-bit words of one K row per thread
-  static constexpr int kNt = D / 8;                  // n8 tiles (PV) per row
-  // V piece width in elements: the largest power of two dividing kNt, at most one 16-byte load.
-  static constexpr int kW = (kNt % 16 == 0 && kEpl >= 16) ? 16 : (kNt % 8 == 0 && kEpl >= 8) ? 8 : (kNt % 4 == 0) ? 4 : 2;
-  static constexpr int kVBytes = kNt * kBpe;         // bytes of one V row per thread
-  static constexpr int kVWords = (kVBytes + 3) / 4;
-  static_assert(D % 16 == 0, "head size must be a multiple of 16");
-
-  // First of the 4 contiguous dims thread t holds for k-block kb (same map for Q and K).
-  static __device__ __forceinline__ int kdim(int t, int kb) {
-    const int c = kb / kKbPerChunk, j = kb % kKbPerChunk;
-    const int m = c < kFull ? kKbPerChunk : kTailKb;
-    return c * kChunk + 4 * m * t + 4 * j;
-  }
-  // The head dim that output column n (thread group n) of n8 tile nt stands for.
-  static __device__ __forceinline__ int vdim(int n, int nt) { return (nt / kW) * (8 * kW) + n * kW + (nt % kW); }
-
-  static __device__ __forceinline__ void load_k_row(const uint8_t* row, int t, uint32_t (&w)[kKWords]) {
-#pragma unroll
-    for (int c = 0; c < kFull; ++c) load_bytes<16>(row + (c * kChunk + kEpl * t) * kBpe, &w[c * 4]);
-    if constexpr (kTailKb > 0) {
-      constexpr int bytes = 4 * kTailKb * kBpe;
-      const uint8_t* p = row + (kFull * kChunk + 4 * kTailKb * t) * kBpe;
-      if constexpr (bytes == 12) {
-        load_bytes<4>(p, &w[kFull * 4]);
-        load_bytes<4>(p + 4, &w[kFull * 4 + 1]);
-        load_bytes<4>(p + 8, &w[kFull * 4 + 2]);
-      } else {
-        load_bytes<bytes>(p, &w[kFull * 4]);
-      }
-    }
-  }
-  static __device__ __forceinline__ void load_v_row(const uint8_t* row, int g, uint32_t (&w)[kVWords]) {
-    constexpr int pb = kW * kBpe;  // bytes per piece
-#pragma unroll
-    for (int i = 0; i < kNt / kW; ++i) {
-      const uint8_t* p = row + (i * 8 * kW + g * kW) * kBpe;
-      if constexpr (pb >= 4) {
-        load_bytes<pb>(p, &w[i * pb / 4]);
-      } else {  // 2-byte pieces, two to a word
-        uint32_t h;
-        load_bytes<2>(p, &h);
-        if (i % 2 == 0) w[i / 2] = h; else w[i / 2] |= h << 16;
-      }
-    }
-  }
-};
 
 // The main loop's shape per cache kind. An FP8 step carries half the bytes of a 16-bit one, so two
 // steps share a load round (and one softmax update); with one 8-head tile and D <= 128 registers
@@ -468,38 +413,6 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
       p.part_out[slot * D + d] = val;
       if (d == 0) { p.part_ml[2 * slot] = M; p.part_ml[2 * slot + 1] = Lsum; }
     }
-  }
-}
-
-// Merge partitions: out = v_scale * sum_p w_p O_p / sum_p w_p with w_p = l_p 2^(m_p - max m).
-template <int D>
-__global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
-  const int seq = blockIdx.x, h = blockIdx.y;
-  const int L = p.seq_lens[seq];
-  const int first = p.window > 0 ? max(0, L - p.window) : 0;
-  const int pa = first / p.partition_size;
-  const int pb = (L + p.partition_size - 1) / p.partition_size;
-  const int64_t base = ((int64_t)seq * p.num_heads + h) * p.num_parts;
-  float M = -INFINITY;
-  for (int q = pa; q < pb; ++q) M = fmaxf(M, p.part_ml[2 * (base + q)]);
-  float wsum = 0.f;
-  for (int q = pa; q < pb; ++q) {
-    const float m = p.part_ml[2 * (base + q)];
-    wsum += m == -INFINITY ? 0.f : p.part_ml[2 * (base + q) + 1] * fast_exp2(m - M);
-  }
-  const int kvh = h / p.gqa;
-  const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0.f;
-    for (int q = pa; q < pb; ++q) {
-      const float m = p.part_ml[2 * (base + q)];
-      if (m == -INFINITY) continue;
-      acc += p.part_ml[2 * (base + q) + 1] * fast_exp2(m - M) * p.part_out[(base + q) * D + d];
-    }
-    const float x = wsum > 0.f ? acc / wsum * vs : 0.f;
-    const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
-    if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
-    else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
   }
 }
 
