@@ -14,13 +14,10 @@ import argparse
 import datetime
 import itertools
 import json
-import logging
 import math
 import sys
 
 import torch
-
-log = logging.getLogger("hal")
 
 CLASS_SHAPES = {
     "long": ["64x4096x32x8x128", "16x32768x32x8x128", "32x8192x64x8x128", "4x16384x32x8x128",
@@ -46,43 +43,47 @@ def score(times: dict[str, list[float]], n: int) -> list[float]:
     return [math.exp(sum(math.log(times[s][i] / best[s]) for s in times) / len(times)) for i in range(n)]
 
 
-def tune_class(cls: str, timer, device, budget_s: float) -> dict:
+def _time_shape(spec: str, kv: torch.dtype, cands: list[dict], timer, device, budget_s: float) -> list[float]:
+    """Median time of ``hal.paged_attention`` on the cuda pack for each candidate, on one shape."""
     from hal.bench import data, shapes
-    from hal.kernelpacks.cuda import launch, tuning
+    from hal.kernelpacks.cuda import tuning
 
     import hal
+
+    prob = data.build(shapes.parse(spec), kv, device)
+    kw = {"k_scale": prob.k_scale, "v_scale": prob.v_scale} if prob.k_scale is not None else {}
+    out = torch.empty_like(prob.query)
+
+    # max_seq_len given, as an engine would: without it the call reads seq_lens back (a host sync
+    # inside the timed interval) and the timing would include launch overhead.
+    def call():
+        hal.paged_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_tables, prob.seq_lens,
+                            scale=prob.scale, out=out, pack="cuda", max_seq_len=prob.max_seq_len, **kw)
+
+    row, first = [], None
+    for c in cands:
+        tuning.set_override(c)
+        try:
+            call()
+            got = out.float().clone()
+            if first is None:
+                first = got
+            elif not torch.allclose(got, first, rtol=1e-2, atol=1e-3):
+                raise RuntimeError(f"{spec} {c}: the output differs from the first candidate's "
+                                   f"(max abs diff {(got - first).abs().max().item():.3g})")
+            row.append(timer.run(call, reps=20, warmup=2, budget_s=budget_s).median_s)
+        finally:
+            tuning.set_override(None)
+    return row
+
+
+def tune_class(cls: str, timer, device, budget_s: float) -> dict:
+    from hal.kernelpacks.cuda import launch, tuning
 
     width, length = cls.split("-")
     kv = WIDTH_DTYPES[width]
     cands = candidates()
-    times: dict[str, list[float]] = {}
-    for spec in CLASS_SHAPES[length]:
-        prob = data.build(shapes.parse(spec), kv, device)
-        kw = {"k_scale": prob.k_scale, "v_scale": prob.v_scale} if prob.k_scale is not None else {}
-        out = torch.empty_like(prob.query)
-
-        # max_seq_len given, as an engine would: without it the call reads seq_lens back (a host
-        # sync inside the timed interval) and the timing would include launch overhead.
-        def call():
-            hal.paged_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_tables, prob.seq_lens,
-                                scale=prob.scale, out=out, pack="cuda", max_seq_len=prob.max_seq_len, **kw)
-
-        row, first = [], None
-        for c in cands:
-            tuning.set_override(c)
-            try:
-                call()
-                got = out.float().clone()
-                if first is None:
-                    first = got
-                elif not torch.allclose(got, first, rtol=1e-2, atol=1e-3):
-                    raise RuntimeError(f"{spec} {c}: the output differs from the first candidate's "
-                                       f"(max abs diff {(got - first).abs().max().item():.3g})")
-                row.append(timer.run(call, reps=20, warmup=2, budget_s=budget_s).median_s)
-            finally:
-                tuning.set_override(None)
-        times[spec] = row
-        del prob
+    times = {spec: _time_shape(spec, kv, cands, timer, device, budget_s) for spec in CLASS_SHAPES[length]}
     scores = score(times, len(cands))
     pick = min(range(len(cands)), key=lambda i: (scores[i], i))
     current = tuning.tuning_for(launch._device_facts(device.index or 0)[1], cls)

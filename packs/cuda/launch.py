@@ -28,7 +28,7 @@ def _device_facts(index: int) -> tuple[int, str]:
 
 
 def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device,
-         cache_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[int, int]:
+         cache_dtype: torch.dtype) -> tuple[int, int]:
     """(partition_size, num_parts) for a call, from this GPU's tuning entry (see tuning.split)."""
     sms, arch = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
     params = tuning_for(arch, shape_class(cache_dtype, max_len))

@@ -67,7 +67,8 @@ def summary(arch: str) -> str:
     """One line per shape class of the entry ``arch`` uses, for hal-probe."""
     t = tuning_for(arch)
     m = t.get("measured")
-    head = f"tuning {t['source']}" + (f" (tools/tune on {m['device']}, {m['date']})" if m else " (hand-set)")
+    head = (f"tuning {arch} (tools/tune on {m['device']}, {m['date']})" if t["source"] == arch and m
+            else f"tuning default (no measured entry for {arch})")
     lines = [f"{c}: aims for {v['ctas_per_sm'] * v['waves']:g} CTAs per SM, partitions >= {v['min_partition']} tokens"
              for c, v in t["classes"].items()]
     return "\n".join([head + ":"] + lines)
