@@ -81,3 +81,14 @@ def test_tune_score_is_relative_to_the_best_per_shape():
 def test_candidates_are_valid_entries():
     for c in tune.candidates():
         assert c["min_partition"] % 64 == 0 and c["ctas_per_sm"] * c["waves"] >= 1
+
+
+def test_tune_candidate_grid_from_the_command_line(capsys):
+    from hal.bench import tune
+    assert tune.candidates((3,), (1, 1.5), (1024,)) == [
+        {"ctas_per_sm": 3, "waves": 1, "min_partition": 1024},
+        {"ctas_per_sm": 3, "waves": 1.5, "min_partition": 1024}]
+    assert tune._numbers("1, 1.5,2") == (1, 1.5, 2)
+    assert tune.main(["--min-partition", "100"]) == 2
+    assert "multiples of 64" in capsys.readouterr().out
+    assert tune.main(["--waves", "x"]) == 2

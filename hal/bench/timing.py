@@ -1,5 +1,11 @@
 """Timing: CUDA events on a GPU (L2 flushed before every timed call), ``time.perf_counter`` on the CPU
 (the last-level cache flushed the same way); and the device's copy bandwidth, measured the same way.
+
+The flush *reads* a buffer several times the cache: that evicts what the op read and leaves the
+cache holding clean lines. A flush that writes leaves the cache full of dirty lines, which the timed
+op then pays to write back to memory as it reads (on the H200, 2026-11-29: ~27 MB of write-back and
+3-9 us more per call, for every contender alike, at 150-500 us per call): time that belongs to the
+flush, not to the op.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ _SLEEP_CYCLES = 2_000_000  # ~1 ms at H200 clocks: longer than any call's host o
 
 
 class Timer:
-    """Times a callable on one device. ``flush`` writes a buffer bigger than the last-level cache
+    """Times a callable on one device. ``flush`` reads a buffer bigger than the last-level cache
     between calls (outside the timed interval) so each call reads its data from memory."""
 
     def __init__(self, device: torch.device, flush: bool = True):
@@ -41,15 +47,15 @@ class Timer:
                 size = max(4 * l2, 256 << 20)
             else:
                 size = CPU_FLUSH_BYTES
-            self._flush_buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._flush_buf = torch.ones(size // 4, dtype=torch.float32, device=self.device)
 
     @property
     def flush_bytes(self) -> int:
-        return 0 if self._flush_buf is None else self._flush_buf.numel()
+        return 0 if self._flush_buf is None else self._flush_buf.numel() * 4
 
     def _flush(self) -> None:
         if self._flush_buf is not None:
-            self._flush_buf.fill_(1)  # a write of the whole buffer evicts what the op read
+            self._flush_buf.sum()  # a read of the whole buffer: evicts what the op read, leaves clean lines
 
     def sync(self) -> None:
         if self.cuda:

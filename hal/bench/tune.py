@@ -31,9 +31,15 @@ WAVES = (1, 1.5, 2, 3, 4, 6)
 MIN_PARTITIONS = (256, 512, 1024)
 
 
-def candidates() -> list[dict]:
+def candidates(ctas_per_sm=CTAS_PER_SM, waves=WAVES, min_partitions=MIN_PARTITIONS) -> list[dict]:
     return [{"ctas_per_sm": c, "waves": w, "min_partition": m}
-            for c, w, m in itertools.product(CTAS_PER_SM, WAVES, MIN_PARTITIONS)]
+            for c, w, m in itertools.product(ctas_per_sm, waves, min_partitions)]
+
+
+def _numbers(text: str, kind=float) -> tuple:
+    """``"1,1.5"`` -> (1, 1.5): comma-separated numbers (floats that are whole become ints)."""
+    xs = tuple(kind(x) for x in text.split(",") if x.strip())
+    return tuple(int(x) if isinstance(x, float) and x.is_integer() else x for x in xs)
 
 
 def score(times: dict[str, list[float]], n: int) -> list[float]:
@@ -77,12 +83,12 @@ def _time_shape(spec: str, kv: torch.dtype, cands: list[dict], timer, device, bu
     return row
 
 
-def tune_class(cls: str, timer, device, budget_s: float) -> dict:
+def tune_class(cls: str, timer, device, budget_s: float, cands: list[dict] | None = None) -> dict:
     from hal.kernelpacks.cuda import launch, tuning
 
     width, length = cls.split("-")
     kv = WIDTH_DTYPES[width]
-    cands = candidates()
+    cands = cands or candidates()
     times = {spec: _time_shape(spec, kv, cands, timer, device, budget_s) for spec in CLASS_SHAPES[length]}
     scores = score(times, len(cands))
     pick = min(range(len(cands)), key=lambda i: (scores[i], i))
@@ -102,10 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--classes", default="fp8-long,fp8-short,16bit-long,16bit-short",
                     help="comma-separated shape classes to tune")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds of timed reps per shape and candidate")
+    ap.add_argument("--ctas-per-sm", default=",".join(map(str, CTAS_PER_SM)), help="candidates, comma-separated")
+    ap.add_argument("--waves", default=",".join(map(str, WAVES)), help="candidates, comma-separated")
+    ap.add_argument("--min-partition", default=",".join(map(str, MIN_PARTITIONS)),
+                    help="candidates (tokens, multiples of 64), comma-separated")
     ap.add_argument("--write", action="store_true", help="store the choices in packs/cuda/tuning.json under this arch")
     ap.add_argument("--json", help="write every timing here")
     args = ap.parse_args(argv)
     console = Console()
+    try:
+        cands = candidates(_numbers(args.ctas_per_sm, int), _numbers(args.waves), _numbers(args.min_partition, int))
+    except ValueError as exc:
+        console.print(f"[red]candidates: numbers expected ({exc})[/red]")
+        return 2
+    bad = [m for m in _numbers(args.min_partition, int) if m <= 0 or m % 64]
+    if not cands or bad or any(c <= 0 for c in _numbers(args.ctas_per_sm, int)) or any(w <= 0 for w in _numbers(args.waves)):
+        console.print("[red]candidates: --ctas-per-sm and --waves positive, --min-partition positive multiples of 64[/red]")
+        return 2
     if not torch.cuda.is_available():
         console.print("[red]tools/tune needs an NVIDIA GPU (the cuda pack)[/red]")
         return 2
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device)
     results = []
     for cls in args.classes.split(","):
-        res = tune_class(cls.strip(), timer, device, args.budget)
+        res = tune_class(cls.strip(), timer, device, args.budget, cands)
         results.append(res)
         t = Table(title=f"{cls} ({res['kv_dtype']} cache) on {torch.cuda.get_device_name(device)} ({arch})")
         t.add_column("ctas/SM")

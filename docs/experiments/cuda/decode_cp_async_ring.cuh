@@ -1,0 +1,559 @@
+// Split-K paged decode attention on tensor cores (mma.sync m16n8k16), one CTA of 4 warps per
+// (sequence, KV head, head tile of <= 16 query heads, partition of the context).
+//
+// Why this shape:
+// * All query heads of a GQA group sit in the 16 rows of one MMA tile, so every K/V byte is read
+//   once per group, never once per query head.
+// * K and V go straight from global memory into MMA fragment registers with 16-byte loads. The dot
+//   product over the head dimension does not care about the order of the dimensions, so each thread
+//   loads a *contiguous* run of a K row and the same permutation is applied to Q (see kdim()); for V
+//   the output dimensions are permuted instead (vdim()) and undone when the result is written.
+// * FP8 bytes are widened to fp16 with the hardware cvt (exact for e4m3 and e5m2). bf16 queries
+//   against an FP8 cache are rescaled by a power of two (exact) so they fit fp16, and the factor is
+//   folded into the logit scale with k_scale; v_scale multiplies the output once.
+// * Each warp runs its own online softmax over a quarter of the partition; warps merge through
+//   shared memory; partitions merge in a second kernel by log-sum-exp.
+#pragma once
+#include "common.cuh"
+#include "layout.cuh"
+#include "params.h"
+
+#include <atomic>
+
+namespace hal_cuda {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStep = 16;  // tokens per warp iteration (two n8 tiles for QK, one k16 block for PV)
+
+
+// The main loop's shape per cache kind. An FP8 step carries half the bytes of a 16-bit one, so two
+// steps share a load round (and one softmax update); with one 8-head tile and D <= 128 registers
+// are capped for 4 resident CTAs per SM. Both measured faster on the H200 than one step per round
+// at 3 CTAs per SM (docs/cuda.md).
+//
+// Staged (head sizes whose loads are all 8 or 16 bytes, <= 128): each thread's loads go by cp.async
+// into its own ring of kStages rounds in shared memory (slot [chunk][lane]: no bank conflicts, no
+// barrier: a thread reads back only what it copied), issued kStages - 1 rounds ahead, so the next
+// round's bytes are in flight while the warp computes this one. Registers hold only the round in
+// use. Other head sizes load straight into registers, one round at a time.
+#ifndef HAL_STAGES
+#define HAL_STAGES 2
+#endif
+template <Kind K, int D, int NH> struct LoopConfig {
+  using LY = Layout<K, D>;
+  static constexpr int kSub = (Traits<K>::kFp8 && NH == 1) ? 2 : 1;
+  static constexpr bool kStaged = HAL_STAGES > 1 && LY::kTailKb == 0 && LY::kW * LY::kBpe >= 8 && D <= 128;
+  static constexpr int kStages = HAL_STAGES;
+  static constexpr int kVBytesPiece = LY::kW * LY::kBpe;             // one V load: 8 or 16 bytes
+  static constexpr int kVPieces = LY::kNt / LY::kW;                  // V loads per row per thread
+  static constexpr int kChunks = kSub * (2 * LY::kFull + 4 * kVPieces);  // 16-byte slots per thread per round
+  static constexpr int kRingBytes = kStaged ? kWarps * kStages * kChunks * 32 * 16 : 0;
+  // The ring is reused for the warp merge (16 x D floats) after the loop.
+  static constexpr int kDynSmem = !kStaged ? 0 : (kRingBytes > 16 * D * 4 ? kRingBytes : 16 * D * 4);
+  static constexpr int kBySmem = kStaged ? (220 * 1024) / (kDynSmem + 5 * 1024) : 4;
+  static constexpr int kMinBlocks = kStaged ? (kBySmem < 1 ? 1 : kBySmem > 4 ? 4 : kBySmem)
+                                            : (NH == 1 && D <= 128) ? 4 : 1;
+};
+
+template <Kind K, int D, int NH, bool kPlain>
+__global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) decode_kernel(const DecodeParams p) {
+  // kPlain: no soft-cap and no ALiBi (the common case compiles without their branches).
+  constexpr int SUB = LoopConfig<K, D, NH>::kSub;
+  constexpr float kSlack = 8.f;
+  // NH tiles of 8 query heads (the MMA's N) share every K/V fragment.
+  using LY = Layout<K, D>;
+  constexpr bool kBf = Traits<K>::kBf16Math;
+  constexpr bool kFp8 = Traits<K>::kFp8;
+  constexpr int kMt = D / 16;  // m16 tiles of the output's head dim
+  const int seq = blockIdx.x;
+  const int kvh = blockIdx.y / p.head_tiles;
+  const int tile = blockIdx.y % p.head_tiles;
+  const int part = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  const int L = p.seq_lens[seq];
+  const int first = p.window > 0 ? max(0, L - p.window) : 0;
+  const int p0 = part * p.partition_size;
+  const bool split = p.num_parts > 1;
+  if (split && (p0 >= L || p0 + p.partition_size <= first)) return;  // the reduce skips this part too
+
+  const int rows = min(8 * NH, p.gqa - tile * 8 * NH);   // query heads in this tile
+  const int head0 = kvh * p.gqa + tile * 8 * NH;
+
+  const int64_t head_off = (int64_t)kvh * p.block_size * D * LY::kBpe;
+  const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
+  constexpr int64_t kRow = (int64_t)D * LY::kBpe;  // bytes per token row of one head
+
+  // ---- this warp's token range ----
+  const int quarter = p.partition_size / kWarps;
+  const int w0 = p0 + warp * quarter;
+  const int w1 = min(w0 + quarter, L);
+  const int s_begin = max(w0, first & ~(kStep - 1));
+
+  // O^T accumulators: tile mt rows g / g+8 are head dims vdim(g, 2mt) / vdim(g, 2mt+1); columns are
+  // heads 2t, 2t+1 of each 8-head tile.
+  float o[NH][kMt][4];
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int mt = 0; mt < kMt; ++mt) o[nh][mt][0] = o[nh][mt][1] = o[nh][mt][2] = o[nh][mt][3] = 0.f;
+  float m[NH][2], l[NH][2];  // heads 2t, 2t+1 (log2 units; l: this thread's tokens only)
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh) m[nh][0] = m[nh][1] = -INFINITY, l[nh][0] = l[nh][1] = 0.f;
+
+  // SUB steps of 16 tokens have their loads issued together: more bytes in flight per warp for the
+  // FP8 loop, which moves half the bytes of a 16-bit step.
+  uint32_t kr[SUB][2][LY::kKWords], vr[SUB][4][LY::kVWords];
+  // A step wholly inside [first, w1) on one page (block size >= 16) takes the lean path: one table
+  // lookup and no per-row tests. Others look up each run of 8 tokens (a run starting at a multiple
+  // of 8 never crosses a page) and zero the rows outside the range (pages there may be junk entries).
+  const bool lean_pages = p.block_size >= kStep;
+  auto load_step = [&](int u, int s0) {
+    if (lean_pages && s0 >= first && s0 + kStep <= w1) {
+      const int64_t blk = table[s0 >> p.block_shift];
+      const int64_t row0 = head_off + (int64_t)(s0 & (p.block_size - 1)) * kRow;
+      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + row0;
+      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + row0;
+      LY::load_k_row(kp + g * kRow, t, kr[u][0]);
+      LY::load_k_row(kp + (g + 8) * kRow, t, kr[u][1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) LY::load_v_row(vp + (2 * t + (i & 1) + 8 * (i >> 1)) * kRow, g, vr[u][i]);
+      return;
+    }
+#pragma unroll
+    for (int h8 = 0; h8 < 2; ++h8) {
+      const int s8 = s0 + 8 * h8;
+      const bool live = s8 + 7 >= first && s8 < w1;
+      const int64_t blk = live ? table[s8 >> p.block_shift] : 0;
+      const int64_t row0 = head_off + (int64_t)(s8 & (p.block_size - 1)) * kRow;
+      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + row0;
+      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + row0;
+      if (s8 + g >= first && s8 + g < w1) {
+        LY::load_k_row(kp + g * kRow, t, kr[u][h8]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < LY::kKWords; ++j) kr[u][h8][j] = 0u;
+      }
+#pragma unroll
+      for (int i = 2 * h8; i < 2 * h8 + 2; ++i) {
+        const int r = 2 * t + (i & 1);
+        if (s8 + r >= first && s8 + r < w1) {
+          LY::load_v_row(vp + r * kRow, g, vr[u][i]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < LY::kVWords; ++j) vr[u][i][j] = 0u;
+        }
+      }
+    }
+  };
+  // ---- staged loads (see LoopConfig) ----
+  using CFG = LoopConfig<K, D, NH>;
+  constexpr bool kStaged = CFG::kStaged;
+  constexpr int S = CFG::kStages;
+  constexpr int kPB = kStaged ? CFG::kVBytesPiece : 16;
+  extern __shared__ __align__(16) uint4 dyn_smem[];
+  uint4* const ring = dyn_smem + (size_t)warp * S * CFG::kChunks * 32 + lane;
+  auto kslot = [&](int st, int u, int h, int c) { return ring + (st * CFG::kChunks + (u * 2 + h) * LY::kFull + c) * 32; };
+  auto vslot = [&](int st, int u, int i, int j) {
+    return ring + (st * CFG::kChunks + SUB * 2 * LY::kFull + (u * 4 + i) * CFG::kVPieces + j) * 32;
+  };
+  // Same rows and bytes as load_step; rows outside [first, w1) are zero-filled without a read.
+  auto stage_step = [&](int st, int u, int s0) {
+    if (lean_pages && s0 >= first && s0 + kStep <= w1) {
+      const int64_t blk = table[s0 >> p.block_shift];
+      const int64_t row0 = head_off + (int64_t)(s0 & (p.block_size - 1)) * kRow;
+      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + row0;
+      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + row0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < LY::kFull; ++c)
+          cp_async<16>(kslot(st, u, h, c), kp + (g + 8 * h) * kRow + (c * LY::kChunk + LY::kEpl * t) * LY::kBpe, true);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < CFG::kVPieces; ++j)
+          cp_async<kPB>(vslot(st, u, i, j), vp + (2 * t + (i & 1) + 8 * (i >> 1)) * kRow + (j * 8 * LY::kW + g * LY::kW) * LY::kBpe, true);
+      return;
+    }
+#pragma unroll
+    for (int h8 = 0; h8 < 2; ++h8) {
+      const int s8 = s0 + 8 * h8;
+      const bool live = s8 + 7 >= first && s8 < w1;
+      const int64_t blk = live ? table[s8 >> p.block_shift] : 0;
+      const int64_t row0 = head_off + (int64_t)(s8 & (p.block_size - 1)) * kRow;
+      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + row0;
+      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + row0;
+      const bool kok = s8 + g >= first && s8 + g < w1;
+#pragma unroll
+      for (int c = 0; c < LY::kFull; ++c)
+        cp_async<16>(kslot(st, u, h8, c), kp + g * kRow + (c * LY::kChunk + LY::kEpl * t) * LY::kBpe, kok);
+#pragma unroll
+      for (int i = 2 * h8; i < 2 * h8 + 2; ++i) {
+        const int r = 2 * t + (i & 1);
+        const bool ok = s8 + r >= first && s8 + r < w1;
+#pragma unroll
+        for (int j = 0; j < CFG::kVPieces; ++j)
+          cp_async<kPB>(vslot(st, u, i, j), vp + r * kRow + (j * 8 * LY::kW + g * LY::kW) * LY::kBpe, ok);
+      }
+    }
+  };
+  auto stage_round = [&](int st, int s_outer) {
+#pragma unroll
+    for (int u = 0; u < SUB; ++u) stage_step(st, u, s_outer + u * kStep);
+  };
+  auto unstage_round = [&](int st) {
+#pragma unroll
+    for (int u = 0; u < SUB; ++u) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int c = 0; c < LY::kFull; ++c) lds_u4(kslot(st, u, h, c), &kr[u][h][c * 4]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < CFG::kVPieces; ++j) {
+          if constexpr (kPB == 16) {
+            lds_u4(vslot(st, u, i, j), &vr[u][i][j * 4]);
+          } else {
+            const uint2 v2 = lds_u2(reinterpret_cast<const uint2*>(vslot(st, u, i, j)));
+            vr[u][i][j * 2] = v2.x;
+            vr[u][i][j * 2 + 1] = v2.y;
+          }
+        }
+    }
+  };
+  constexpr int kRound = SUB * kStep;
+  const int nrounds = s_begin < w1 ? (w1 - s_begin + kRound - 1) / kRound : 0;
+
+  // The first loads go out before the query is read, so the two latencies overlap.
+  if constexpr (kStaged) {
+#pragma unroll
+    for (int r = 0; r < S - 1; ++r) {
+      if (r < nrounds) stage_round(r, s_begin + r * kRound);
+      cp_async_commit();
+    }
+  } else if (s_begin < w1) {
+#pragma unroll
+    for (int u = 0; u < SUB; ++u) load_step(u, s_begin + u * kStep);
+  }
+
+  // ---- Q^T fragments (B operand): head (n) g of each 8-head tile, dims permuted like K ----
+  // Q^T fragments live in shared memory and are read back at every step (8 bytes per lane per
+  // k-block, conflict free): registers are what limits the loads in flight, not shared bandwidth.
+  __shared__ uint2 sq[NH][LY::kKb][32];
+  float qmul = 1.0f;  // power of two folded into the logit scale
+  {
+    float qv[NH][LY::kKb][4];
+    float amax = 0.f;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) {
+      const int row = nh * 8 + g;
+#pragma unroll
+      for (int kb = 0; kb < LY::kKb; ++kb) {
+        const int d0 = LY::kdim(t, kb);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float v = 0.f;
+          if (row < rows) {
+            const int64_t off = (int64_t)seq * p.q_stride0 + (int64_t)(head0 + row) * p.q_stride1 + d0 + i;
+            v = p.q_is_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p.query)[off])
+                            : __half2float(reinterpret_cast<const __half*>(p.query)[off]);
+          }
+          qv[nh][kb][i] = v;
+          amax = fmaxf(amax, fabsf(v));
+        }
+      }
+    }
+    if (kFp8 && p.q_is_bf16) {
+      // fp16 holds every bf16 value exactly once the largest is near 2^14 (powers of two are exact);
+      // without this, bf16 values beyond fp16's range would overflow.
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (amax > 0.f && isfinite(amax)) {
+        int e;
+        frexpf(amax, &e);             // amax in [2^(e-1), 2^e)
+        const int shift = 15 - e;     // amax * 2^shift in [2^14, 2^15)
+        qmul = exp2f((float)-shift);
+        const float up = exp2f((float)shift);
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+          for (int kb = 0; kb < LY::kKb; ++kb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) qv[nh][kb][i] *= up;
+      }
+    }
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int kb = 0; kb < LY::kKb; ++kb) {
+        if (warp == 0) {  // every warp computed the same fragments; one writes them
+          if constexpr (kBf) {
+            sq[nh][kb][lane] = make_uint2(pack_bf16x2(qv[nh][kb][0], qv[nh][kb][1]), pack_bf16x2(qv[nh][kb][2], qv[nh][kb][3]));
+          } else {
+            sq[nh][kb][lane] = make_uint2(pack_f16x2(qv[nh][kb][0], qv[nh][kb][1]), pack_f16x2(qv[nh][kb][2], qv[nh][kb][3]));
+          }
+        }
+      }
+  }
+
+  __syncthreads();  // sq written
+
+  const float ks = p.k_scale_ptr ? p.k_scale_ptr[kvh * p.k_scale_stride] : p.k_scale;
+  const float logit_scale = p.scale * ks * qmul;   // natural-log units
+  constexpr float kLog2e = 1.4426950408889634f;
+  float slope[NH][2];
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = nh * 8 + 2 * t + c;
+      slope[nh][c] = p.alibi && r < rows ? p.alibi[head0 + r] : 0.f;
+    }
+
+  // Logits in log2 units: the plain path folds log2(e) into the scale; soft-cap and ALiBi work in
+  // natural units first.
+  const float step_scale = kPlain ? logit_scale * kLog2e : logit_scale;
+
+  // The SUB steps of a batch share one softmax update (one max, one rescale); QK^T runs as
+  // independent accumulator chains (one per step, or split over k-blocks when SUB is 1) so the
+  // tensor-core latency overlaps.
+  constexpr int kChains = (SUB == 1 && NH == 1 && LY::kKb >= 8) ? 2 : 1;
+  int round = 0;
+  for (int s_outer = s_begin; s_outer < w1; s_outer += kRound, ++round) {
+    if constexpr (kStaged) {
+      // The slot of round + S - 1 is the one read back (into registers) in the previous round.
+      const int ahead = round + S - 1;
+      if (ahead < nrounds) stage_round(ahead % S, s_begin + ahead * kRound);
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      unstage_round(round % S);
+    } else if (s_outer != s_begin) {
+#pragma unroll
+      for (int u = 0; u < SUB; ++u) load_step(u, s_outer + u * kStep);
+    }
+    // ---- S^T = K Q^T: per step, 16 tokens (rows g: token s0+g, g+8: token s0+8+g) x 8 heads ----
+    float acc[SUB * kChains][NH][4];
+#pragma unroll
+    for (int i = 0; i < SUB * kChains; ++i)
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh) acc[i][nh][0] = acc[i][nh][1] = acc[i][nh][2] = acc[i][nh][3] = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < LY::kKb; ++kb) {
+      uint2 q[NH];
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh) q[nh] = lds_u2(&sq[nh][kb][lane]);
+#pragma unroll
+      for (int u = 0; u < SUB; ++u) {
+        uint32_t a[4];
+        if constexpr (kFp8) {
+          a[0] = fp8x2_to_f16x2<K>(kr[u][0][kb]);
+          a[1] = fp8x2_to_f16x2<K>(kr[u][1][kb]);
+          a[2] = fp8x2_to_f16x2<K>(kr[u][0][kb] >> 16);
+          a[3] = fp8x2_to_f16x2<K>(kr[u][1][kb] >> 16);
+        } else {
+          a[0] = kr[u][0][2 * kb]; a[1] = kr[u][1][2 * kb]; a[2] = kr[u][0][2 * kb + 1]; a[3] = kr[u][1][2 * kb + 1];
+        }
+#pragma unroll
+        for (int nh = 0; nh < NH; ++nh) mma16816<kBf>(acc[u * kChains + kb % kChains][nh], a, q[nh].x, q[nh].y);
+      }
+    }
+    // ---- scale, soft-cap, ALiBi, mask ----
+    float s[SUB][NH][4];
+    float mx[NH][2];
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) mx[nh][0] = mx[nh][1] = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < SUB; ++u) {
+      const int tok_lo = s_outer + u * kStep + g, tok_hi = tok_lo + 8;
+      const bool ok_lo = tok_lo >= first && tok_lo < w1, ok_hi = tok_hi >= first && tok_hi < w1;
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float x = acc[u * kChains][nh][c];
+          if constexpr (kChains == 2) x += acc[u * kChains + 1][nh][c];
+          x *= step_scale;
+          if constexpr (!kPlain) {
+            if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
+            if (p.alibi) x += slope[nh][c & 1] * (float)((c < 2 ? tok_lo : tok_hi) - (L - 1));
+            x *= kLog2e;
+          }
+          s[u][nh][c] = (c < 2 ? ok_lo : ok_hi) ? x : -INFINITY;
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) mx[nh][c] = fmaxf(mx[nh][c], fmaxf(s[u][nh][c], s[u][nh][c + 2]));
+      }
+    }
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) mx[nh][c] = rows_max(mx[nh][c]);
+    // ---- online softmax per head (column). The running max m moves only when a new logit
+    // exceeds it by more than kSlack (log2 units): until then P = 2^(s - m) <= 2^kSlack, which
+    // fp16/bf16 and the fp32 sums hold with no loss, and the rescale of O is skipped. ----
+    bool grow = false;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) grow |= mx[nh][c] > m[nh][c] + kSlack;
+    if (__any_sync(0xffffffffu, grow)) {
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const float mn = fmaxf(m[nh][c], mx[nh][c]);
+          const float alpha = fast_exp2(m[nh][c] - (mn == -INFINITY ? 0.f : mn));
+          m[nh][c] = mn;
+          l[nh][c] *= alpha;
+#pragma unroll
+          for (int mt = 0; mt < kMt; ++mt) { o[nh][mt][c] *= alpha; o[nh][mt][c + 2] *= alpha; }
+        }
+    }
+    uint32_t pb[SUB][NH][2];
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh) {
+      const float ref0 = m[nh][0] == -INFINITY ? 0.f : m[nh][0];
+      const float ref1 = m[nh][1] == -INFINITY ? 0.f : m[nh][1];
+#pragma unroll
+      for (int u = 0; u < SUB; ++u) {
+        float pr[4];
+        pr[0] = fast_exp2(s[u][nh][0] - ref0);
+        pr[1] = fast_exp2(s[u][nh][1] - ref1);
+        pr[2] = fast_exp2(s[u][nh][2] - ref0);
+        pr[3] = fast_exp2(s[u][nh][3] - ref1);
+        l[nh][0] += pr[0] + pr[2];
+        l[nh][1] += pr[1] + pr[3];
+        // P^T as the B operand: transpose the two 8x8 blocks (tokens 0-7, 8-15) across the warp.
+        if constexpr (kBf) {
+          pb[u][nh][0] = transpose8x8(pack_bf16x2(pr[0], pr[1]));
+          pb[u][nh][1] = transpose8x8(pack_bf16x2(pr[2], pr[3]));
+        } else {
+          pb[u][nh][0] = transpose8x8(pack_f16x2(pr[0], pr[1]));
+          pb[u][nh][1] = transpose8x8(pack_f16x2(pr[2], pr[3]));
+        }
+      }
+    }
+    // ---- O^T += V^T P^T: A fragments pair tokens (2t, 2t+1) and (2t+8, 2t+9) of one head dim ----
+#pragma unroll
+    for (int u = 0; u < SUB; ++u) {
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int q = 0; q < LY::kVWords; ++q) {
+          const uint32_t lo01 = __byte_perm(vr[u][0][q], vr[u][1][q], 0x5140), hi01 = __byte_perm(vr[u][0][q], vr[u][1][q], 0x7362);
+          const uint32_t lo23 = __byte_perm(vr[u][2][q], vr[u][3][q], 0x5140), hi23 = __byte_perm(vr[u][2][q], vr[u][3][q], 0x7362);
+          if (2 * q < kMt) {
+            const uint32_t a[4] = {fp8x2_to_f16x2<K>(lo01), fp8x2_to_f16x2<K>(lo01 >> 16),
+                                   fp8x2_to_f16x2<K>(lo23), fp8x2_to_f16x2<K>(lo23 >> 16)};
+#pragma unroll
+            for (int nh = 0; nh < NH; ++nh) mma16816<false>(o[nh][2 * q], a, pb[u][nh][0], pb[u][nh][1]);
+          }
+          if (2 * q + 1 < kMt) {
+            const uint32_t a[4] = {fp8x2_to_f16x2<K>(hi01), fp8x2_to_f16x2<K>(hi01 >> 16),
+                                   fp8x2_to_f16x2<K>(hi23), fp8x2_to_f16x2<K>(hi23 >> 16)};
+#pragma unroll
+            for (int nh = 0; nh < NH; ++nh) mma16816<false>(o[nh][2 * q + 1], a, pb[u][nh][0], pb[u][nh][1]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < kMt; ++q) {
+          const uint32_t a[4] = {__byte_perm(vr[u][0][q], vr[u][1][q], 0x5410), __byte_perm(vr[u][0][q], vr[u][1][q], 0x7632),
+                                 __byte_perm(vr[u][2][q], vr[u][3][q], 0x5410), __byte_perm(vr[u][2][q], vr[u][3][q], 0x7632)};
+#pragma unroll
+          for (int nh = 0; nh < NH; ++nh) mma16816<kBf>(o[nh][q], a, pb[u][nh][0], pb[u][nh][1]);
+        }
+      }
+    }
+  }
+
+  // ---- merge the four warps through shared memory ----
+  __shared__ float sm_m[kWarps][16], sm_l[kWarps][16];
+  // Staged: the merge buffer reuses the ring (every copy has landed: the last round waited for it).
+  __shared__ float so_static[kStaged ? 1 : 16][kStaged ? 1 : D];
+  float (*so)[D] = kStaged ? reinterpret_cast<float (*)[D]>(dyn_smem) : reinterpret_cast<float (*)[D]>(&so_static[0][0]);
+  if constexpr (kStaged) cp_async_wait<0>();
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      l[nh][c] = rows_sum(l[nh][c]);
+      if (g == 0) { sm_m[warp][nh * 8 + 2 * t + c] = m[nh][c]; sm_l[warp][nh * 8 + 2 * t + c] = l[nh][c]; }
+    }
+  __syncthreads();
+  float f[NH][2];
+#pragma unroll
+  for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int r = nh * 8 + 2 * t + c;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][r]);
+      f[nh][c] = m[nh][c] == -INFINITY ? 0.f : fast_exp2(m[nh][c] - M);
+    }
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+        for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int r = nh * 8 + 2 * t + (c & 1);
+            const int d = LY::vdim(g, 2 * mt + (c >> 1));
+            const float x = o[nh][mt][c] * f[nh][c & 1];
+            so[r][d] = w == 0 ? x : so[r][d] + x;
+          }
+    }
+    __syncthreads();
+  }
+  // ---- write: the output (one partition) or this partition's normalised partial result ----
+  const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
+  for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
+    const int r = idx / D, d = idx % D;
+    float M = -INFINITY, Lsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][r]);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) Lsum += sm_m[w][r] == -INFINITY ? 0.f : sm_l[w][r] * fast_exp2(sm_m[w][r] - M);
+    const float val = Lsum > 0.f ? so[r][d] / Lsum : 0.f;
+    const int h = head0 + r;
+    if (!split) {
+      const float x = val * vs;
+      const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
+      if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
+      else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
+    } else {
+      const int64_t slot = ((int64_t)seq * p.num_heads + h) * p.num_parts + part;
+      p.part_out[slot * D + d] = val;
+      if (d == 0) { p.part_ml[2 * slot] = M; p.part_ml[2 * slot + 1] = Lsum; }
+    }
+  }
+}
+
+// Launch one instantiation; a staged kernel first raises its dynamic shared-memory limit (once per
+// device: the attribute is per device).
+template <Kind K, int D, int NH, bool kPlain>
+int launch_decode_kernel(const dim3 grid, const DecodeParams& p, cudaStream_t stream) {
+  constexpr int smem = LoopConfig<K, D, NH>::kDynSmem;
+  if constexpr (smem > 48 * 1024) {
+    static std::atomic<unsigned long long> raised{0};
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return (int)err;
+    const unsigned long long bit = 1ull << (dev & 63);
+    if (!(raised.load() & bit)) {
+      err = cudaFuncSetAttribute(decode_kernel<K, D, NH, kPlain>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return (int)err;
+      raised.fetch_or(bit);
+    }
+  }
+  decode_kernel<K, D, NH, kPlain><<<grid, kThreads, smem, stream>>>(p);
+  return 0;
+}
+
+}  // namespace hal_cuda
