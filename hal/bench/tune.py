@@ -117,14 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     console = Console()
     try:
-        cands = candidates(_numbers(args.ctas_per_sm, int), _numbers(args.waves), _numbers(args.min_partition, int))
+        grid = {"--ctas-per-sm": _numbers(args.ctas_per_sm, int), "--waves": _numbers(args.waves),
+                "--min-partition": _numbers(args.min_partition, int)}
     except ValueError as exc:
-        console.print(f"[red]candidates: numbers expected ({exc})[/red]")
+        console.print(f"[red]tools/tune: candidates must be comma-separated numbers ({exc})[/red]")
         return 2
-    bad = [m for m in _numbers(args.min_partition, int) if m <= 0 or m % 64]
-    if not cands or bad or any(c <= 0 for c in _numbers(args.ctas_per_sm, int)) or any(w <= 0 for w in _numbers(args.waves)):
-        console.print("[red]candidates: --ctas-per-sm and --waves positive, --min-partition positive multiples of 64[/red]")
-        return 2
+    for flag, values in grid.items():
+        need_64 = flag == "--min-partition"
+        if not values or any(v <= 0 or (need_64 and v % 64) for v in values):
+            what = "positive multiples of 64" if need_64 else "positive numbers"
+            console.print(f"[red]tools/tune: {flag} expects {what}, got {', '.join(map(str, values)) or 'none'}[/red]")
+            return 2
+    cands = candidates(*grid.values())
     if not torch.cuda.is_available():
         console.print("[red]tools/tune needs an NVIDIA GPU (the cuda pack)[/red]")
         return 2

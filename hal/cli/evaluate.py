@@ -26,7 +26,7 @@ import time
 
 import torch
 from rich.console import Console
-from rich.logging import RichHandler
+from hal.cli import hal_log_to
 from rich.markup import escape
 from rich.table import Table
 
@@ -197,12 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Console(width=None if sys.stdout.isatty() else 200)
     err = Console(stderr=True)
-    logger = logging.getLogger("hal")
-    handler = RichHandler(console=err, show_path=False)
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with hal_log_to(err, level=logging.INFO):
         from hal.integrations.corpus import CorpusError
         from hal.integrations.models import ModelUnavailable
 
@@ -211,9 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         except (ModelUnavailable, CorpusError, ValueError, OSError) as exc:
             err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
             return 1
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import sys
 
 import torch
 from rich.console import Console
-from rich.logging import RichHandler
+from hal.cli import hal_log_to
 from rich.markup import escape
 from rich.table import Table
 
@@ -105,28 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Console()
     err = Console(stderr=True)
-    logger = logging.getLogger("hal")
-    handler = RichHandler(console=err, show_time=False, show_path=False)
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        scales = load_kv_scales(args.source, num_layers=args.num_layers, tp_rank=args.tp_rank,
-                                tp_size=args.tp_size, model_type=args.model_type, on_missing=args.on_missing)
-        if args.command == "inspect":
-            _inspect(scales, out)
-        else:
-            target = scales.for_encoding(args.encoding) if args.encoding else scales
-            target.to_json(args.to_json)
-            note = (f", converted from {scales.encoding.name}" if target.encoding != scales.encoding else "")
-            out.print(f"wrote {args.to_json}: {len(target)} layers for {target.encoding.name}{note}")
-        return 0
-    except (KVScaleError, ValueError, TypeError) as exc:
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
-        return 1
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    with hal_log_to(err, level=logging.INFO, show_time=False):
+        try:
+            scales = load_kv_scales(args.source, num_layers=args.num_layers, tp_rank=args.tp_rank,
+                                    tp_size=args.tp_size, model_type=args.model_type, on_missing=args.on_missing)
+            if args.command == "inspect":
+                _inspect(scales, out)
+            else:
+                target = scales.for_encoding(args.encoding) if args.encoding else scales
+                target.to_json(args.to_json)
+                note = (f", converted from {scales.encoding.name}" if target.encoding != scales.encoding else "")
+                out.print(f"wrote {args.to_json}: {len(target)} layers for {target.encoding.name}{note}")
+            return 0
+        except (KVScaleError, ValueError, TypeError) as exc:
+            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            return 1
 
 
 if __name__ == "__main__":
