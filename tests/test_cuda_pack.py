@@ -164,6 +164,36 @@ def test_split_k_long_contexts_and_windows(cache):
     _check(case)
 
 
+WARP_ROW_CASES = {
+    # every cache kind, several head sizes; 7 rows (not a multiple of the CTA's 4 warps)
+    "f16-h80": dict(seq_lens=[1, 0, 33, 129, 300, 16, 5], num_kv_heads=1, num_heads=4, head_size=80,
+                    cache_dtype=torch.float16),
+    "bf16-h128": dict(seq_lens=[7, 700, 0], num_kv_heads=3, num_heads=12, cache_dtype=torch.bfloat16),
+    "e4m3-h64-block8": dict(seq_lens=[1, 19, 300, 8], block_size=8, head_size=64),
+    "e5m2-h256": dict(seq_lens=[45, 512, 2], head_size=256, cache_dtype=torch.float8_e5m2),
+    "e4m3-gqa16": dict(seq_lens=[90, 3], num_kv_heads=2, num_heads=32),  # two 8-head tiles, a warp each
+    "e4m3-features": dict(seq_lens=[0, 1, 18, 130, 1000], head_size=64, per_head_scales=True, **FEATURES["all"]),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", WARP_ROW_CASES)
+def test_warp_rows(name):
+    """A warp per (sequence, KV head): forced by a tuning entry whose target every call reaches."""
+    from hal.kernelpacks.cuda import launch, tuning
+    kw = dict(WARP_ROW_CASES[name])
+    kw.setdefault("head_size", 128)
+    kw.setdefault("cache_dtype", torch.float8_e4m3fn)
+    kw["query_dtype"] = _query_for(kw["cache_dtype"])
+    case = make_case(device="cuda", **kw)
+    tuning.set_override({"ctas_per_sm": 1, "waves": 1e-6, "min_partition": 1024, "warp_rows": 1})
+    try:
+        assert launch.plan(len(kw["seq_lens"]), 1, 1, 1000, torch.device("cuda"), kw["cache_dtype"])[2]
+        _check(case)
+    finally:
+        tuning.set_override(None)
+
+
 @gpu
 def test_shared_prefix_blocks():
     _check(make_case(seq_lens=[300, 290, 264, 281], share_prefix=True, head_size=128, device="cuda"))

@@ -18,6 +18,7 @@ def test_every_entry_covers_every_class_with_sane_values():
         for cls, p in entry["classes"].items():
             assert p["ctas_per_sm"] >= 1 and p["waves"] > 0, (name, cls)
             assert p["min_partition"] >= 64 and p["min_partition"] % 64 == 0, (name, cls)
+            assert p.get("warp_rows", 0) >= 0, (name, cls)
         if name != "default":
             assert {"device", "date", "command"} <= set(entry["measured"]), name
 
@@ -85,10 +86,24 @@ def test_candidates_are_valid_entries():
 
 def test_tune_candidate_grid_from_the_command_line(capsys):
     from hal.bench import tune
-    assert tune.candidates((3,), (1, 1.5), (1024,)) == [
-        {"ctas_per_sm": 3, "waves": 1, "min_partition": 1024},
-        {"ctas_per_sm": 3, "waves": 1.5, "min_partition": 1024}]
+    assert tune.candidates((3,), (1, 1.5), (1024,), (0,)) == [
+        {"ctas_per_sm": 3, "waves": 1, "min_partition": 1024, "warp_rows": 0},
+        {"ctas_per_sm": 3, "waves": 1.5, "min_partition": 1024, "warp_rows": 0}]
     assert tune._numbers("1, 1.5,2") == (1, 1.5, 2)
     assert tune.main(["--min-partition", "100"]) == 2
     assert "multiples of 64" in capsys.readouterr().out
     assert tune.main(["--waves", "x"]) == 2
+
+
+def test_warp_rows_from_the_entry():
+    p = {"ctas_per_sm": 3, "waves": 1, "min_partition": 1024, "warp_rows": 2}
+    assert tuning.warp_rows(2 * 132 * 3, 132, p)          # 2 x the target CTA count of rows
+    assert not tuning.warp_rows(2 * 132 * 3 - 1, 132, p)
+    assert not tuning.warp_rows(10**6, 132, {**p, "warp_rows": 0})
+    assert not tuning.warp_rows(10**6, 132, {k: v for k, v in p.items() if k != "warp_rows"})
+
+
+def test_tune_rejects_negative_warp_rows(capsys):
+    from hal.bench import tune
+    assert tune.main(["--warp-rows", "-1"]) == 2
+    assert "--warp-rows expects numbers >= 0" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 For each shape class of ``packs/cuda/tuning.json`` (fp8 | 16bit cache x short | long context) it
 times ``hal.paged_attention`` on a few representative shapes under every candidate of a small grid
-(``ctas_per_sm`` x ``waves`` x ``min_partition``), scores a candidate by
+(``ctas_per_sm`` x ``waves`` x ``min_partition`` x ``warp_rows``), scores a candidate by
 the geometric mean over the shapes of its time relative to the best candidate's time for that shape,
 and keeps the best. Every candidate's output is compared with the first one's (a split of the context
 changes only the order of float sums). ``--write`` stores the result under this GPU's arch.
@@ -22,18 +22,20 @@ import torch
 CLASS_SHAPES = {
     "long": ["64x4096x32x8x128", "16x32768x32x8x128", "32x8192x64x8x128", "4x16384x32x8x128",
              "1x32768x32x8x128", "32x8192x32x8x64:ragged"],
-    "short": ["256x1024x32x8x128", "64x2048x32x8x128", "32x1024x32x8x128", "128x512x32x4x64:ragged"],
+    "short": ["256x1024x32x8x128", "128x2048x32x8x128", "64x2048x32x8x128", "32x1024x32x8x128", "128x512x32x4x64:ragged"],
 }
 WIDTH_DTYPES = {"fp8": torch.float8_e4m3fn, "16bit": torch.bfloat16}
 # A call aims for sms * ctas_per_sm * waves CTAs; the grid spans 3 to 24 CTAs per SM in all.
 CTAS_PER_SM = (3, 4)
 WAVES = (1, 1.5, 2, 3, 4, 6)
 MIN_PARTITIONS = (256, 512, 1024)
+# A warp per row from warp_rows x the target CTA count of rows (0: never); see tuning.warp_rows.
+WARP_ROWS = (0, 2)
 
 
-def candidates(ctas_per_sm=CTAS_PER_SM, waves=WAVES, min_partitions=MIN_PARTITIONS) -> list[dict]:
-    return [{"ctas_per_sm": c, "waves": w, "min_partition": m}
-            for c, w, m in itertools.product(ctas_per_sm, waves, min_partitions)]
+def candidates(ctas_per_sm=CTAS_PER_SM, waves=WAVES, min_partitions=MIN_PARTITIONS, warp_rows=WARP_ROWS) -> list[dict]:
+    return [{"ctas_per_sm": c, "waves": w, "min_partition": m, "warp_rows": r}
+            for c, w, m, r in itertools.product(ctas_per_sm, waves, min_partitions, warp_rows)]
 
 
 def _numbers(text: str, kind=float) -> tuple:
@@ -112,20 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waves", default=",".join(map(str, WAVES)), help="candidates, comma-separated")
     ap.add_argument("--min-partition", default=",".join(map(str, MIN_PARTITIONS)),
                     help="candidates (tokens, multiples of 64), comma-separated")
+    ap.add_argument("--warp-rows", default=",".join(map(str, WARP_ROWS)),
+                    help="candidates (0: never a warp per row; f: from f x the target CTA count of rows), comma-separated")
     ap.add_argument("--write", action="store_true", help="store the choices in packs/cuda/tuning.json under this arch")
     ap.add_argument("--json", help="write every timing here")
     args = ap.parse_args(argv)
     console = Console()
     try:
         grid = {"--ctas-per-sm": _numbers(args.ctas_per_sm, int), "--waves": _numbers(args.waves),
-                "--min-partition": _numbers(args.min_partition, int)}
+                "--min-partition": _numbers(args.min_partition, int), "--warp-rows": _numbers(args.warp_rows)}
     except ValueError as exc:
         console.print(f"[red]tools/tune: candidates must be comma-separated numbers ({exc})[/red]")
         return 2
     for flag, values in grid.items():
-        need_64 = flag == "--min-partition"
-        if not values or any(v <= 0 or (need_64 and v % 64) for v in values):
-            what = "positive multiples of 64" if need_64 else "positive numbers"
+        need_64, zero_ok = flag == "--min-partition", flag == "--warp-rows"
+        if not values or any(v < 0 or (v == 0 and not zero_ok) or (need_64 and v % 64) for v in values):
+            what = ("positive multiples of 64" if need_64 else "numbers >= 0" if zero_ok else "positive numbers")
             console.print(f"[red]tools/tune: {flag} expects {what}, got {', '.join(map(str, values)) or 'none'}[/red]")
             return 2
     cands = candidates(*grid.values())
@@ -146,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         t.add_column("ctas/SM")
         t.add_column("waves")
         t.add_column("min_partition")
+        t.add_column("warp_rows")
         for s in res["shapes"]:
             t.add_column(s + " µs", justify="right")
         t.add_column("score", justify="right")
         for i, c in enumerate(res["candidates"]):
             mark = " *" if c == res["best"] else ""
-            t.add_row(str(c["ctas_per_sm"]), str(c["waves"]), str(c["min_partition"]),
+            t.add_row(str(c["ctas_per_sm"]), str(c["waves"]), str(c["min_partition"]), str(c["warp_rows"]),
                       *[f"{res['times_s'][s][i] * 1e6:.1f}" for s in res["shapes"]], f"{res['scores'][i]:.3f}{mark}")
         console.print(t)
         cur = res["current_score"]

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from hal.kernelpacks.cuda import _C
-from hal.kernelpacks.cuda.tuning import shape_class, split, tuning_for
+from hal.kernelpacks.cuda.tuning import shape_class, split, tuning_for, warp_rows
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -29,11 +29,15 @@ def _device_facts(index: int) -> tuple[int, str]:
 
 
 def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device,
-         cache_dtype: torch.dtype) -> tuple[int, int]:
-    """(partition_size, num_parts) for a call, from this GPU's tuning entry (see tuning.split)."""
+         cache_dtype: torch.dtype, one_tile: bool = True) -> tuple[int, int, bool]:
+    """(partition_size, num_parts, warp_rows) for a call, from this GPU's tuning entry (see
+    tuning.split and tuning.warp_rows). ``one_tile``: a CTA serves one 8-head MMA tile (warp rows
+    need it)."""
     sms, arch = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
     params = tuning_for(arch, shape_class(cache_dtype, max_len))
-    return split(num_seqs * num_kv_heads * head_tiles, max_len, sms, params)
+    rows = num_seqs * num_kv_heads * head_tiles
+    size, parts = split(rows, max_len, sms, params)
+    return size, parts, one_tile and parts == 1 and warp_rows(rows, sms, params)
 
 
 def _on(device: torch.device):
@@ -64,7 +68,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
     dev = query.device
     head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    size, parts = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype)
+    size, parts, wrows = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype, one_tile=head_tiles * 8 >= h // hkv)
     if parts > 1:
         part_out = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
         part_ml = torch.empty((n, h, parts, 2), dtype=torch.float32, device=dev)
@@ -84,7 +88,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
             value_cache.stride(0) * elem, block_tables.stride(0), scale, ks, vs,
             0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss, n, h, hkv, head_tiles, bs,
             size, parts, 0 if sliding_window is None else sliding_window, int(query.dtype == torch.bfloat16),
-            stream)
+            int(wrows), stream)
 
 
 def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:

@@ -63,6 +63,15 @@ def split(ctas: int, max_len: int, sms: int, params: dict) -> tuple[int, int]:
     return size, -(-max_len // size)
 
 
+def warp_rows(rows: int, sms: int, params: dict) -> bool:
+    """Whether a one-pass call of ``rows`` (sequences x KV heads x head tiles) has each warp serve its
+    own row: when ``rows >= warp_rows * sms * ctas_per_sm * waves`` (the entry's ``warp_rows``; 0 or
+    absent: never). Each warp then streams a whole row with no merge between warps, which pays where
+    rows are many and short (a quarter of a 1K row is only 8 load rounds of the CTA's 4 warps)."""
+    f = params.get("warp_rows", 0)
+    return f > 0 and rows >= f * sms * params["ctas_per_sm"] * params["waves"]
+
+
 def summary(arch: str) -> str:
     """One line per shape class of the entry ``arch`` uses, for hal-probe."""
     t = tuning_for(arch)
@@ -70,5 +79,7 @@ def summary(arch: str) -> str:
     head = (f"tuning {arch} (tools/tune on {m['device']}, {m['date']})" if t["source"] == arch and m
             else f"tuning default (no measured entry for {arch})")
     lines = [f"{c}: aims for {v['ctas_per_sm'] * v['waves']:g} CTAs per SM, partitions >= {v['min_partition']} tokens"
+             + (f", a warp per row from {v['warp_rows'] * v['ctas_per_sm'] * v['waves']:g} rows per SM"
+                if v.get("warp_rows", 0) > 0 else ", warp rows off")
              for c, v in t["classes"].items()]
     return "\n".join([head + ":"] + lines)

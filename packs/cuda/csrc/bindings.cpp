@@ -40,7 +40,7 @@ PYBIND11_MODULE(_C, m) {
            int64_t q_stride0, int64_t q_stride1, int64_t out_stride0, int64_t out_stride1, int64_t k_stride0,
            int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
            int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int head_tiles,
-           int block_size, int partition_size, int num_parts, int window, int q_is_bf16, std::uintptr_t stream) {
+           int block_size, int partition_size, int num_parts, int window, int q_is_bf16, int warp_rows, std::uintptr_t stream) {
           DecodeParams p{};
           p.out = ptr<void>(out);
           p.query = ptr<const void>(query);
@@ -64,6 +64,7 @@ PYBIND11_MODULE(_C, m) {
           while ((1 << p.block_shift) < block_size) ++p.block_shift;
           if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
           p.partition_size = partition_size; p.num_parts = num_parts; p.window = window; p.q_is_bf16 = q_is_bf16;
+          p.warp_rows = warp_rows;
           if (num_seqs == 0) return;
           auto s = reinterpret_cast<cudaStream_t>(stream);
           int err;

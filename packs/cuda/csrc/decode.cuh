@@ -44,18 +44,34 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   constexpr bool kBf = Traits<K>::kBf16Math;
   constexpr bool kFp8 = Traits<K>::kFp8;
   constexpr int kMt = D / 16;  // m16 tiles of the output's head dim
-  const int seq = blockIdx.x;
-  const int kvh = blockIdx.y / p.head_tiles;
-  const int tile = blockIdx.y % p.head_tiles;
-  const int part = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  // Warp rows (one head tile only): each warp serves its own (sequence, KV head) over the whole
+  // partition and writes its own result, with no merge between warps: the grid's x covers 4 rows
+  // (KV heads of a sequence, fastest). Otherwise the CTA serves one row, a quarter per warp.
+  constexpr bool kRowsOk = NH == 1;
+  const bool wrows = kRowsOk && p.warp_rows;
+  int seq = blockIdx.x, y = blockIdx.y;
+  bool live = true;  // this warp has a row (warp rows: the last CTA may have fewer than 4)
+  if (wrows) {
+    const int per_seq = p.num_kv_heads * p.head_tiles;
+    const int r = blockIdx.x * kWarps + warp;
+    seq = r / per_seq;
+    y = r % per_seq;
+    live = seq < p.num_seqs;
+    if (!live) seq = p.num_seqs - 1;
+  }
+  const int kvh = y / p.head_tiles;
+  const int tile = y % p.head_tiles;
+  const int part = blockIdx.z;
 
   const int L = p.seq_lens[seq];
   const int first = p.window > 0 ? max(0, L - p.window) : 0;
   const int p0 = part * p.partition_size;
   const bool split = p.num_parts > 1;
-  if (split && (p0 >= L || p0 + p.partition_size <= first)) return;  // the reduce skips this part too
+  const bool skip = split && (p0 >= L || p0 + p.partition_size <= first);  // the reduce skips it too
+  if (!wrows && skip) return;  // CTA-uniform here
+  live = live && !skip;
 
   const int rows = min(8 * NH, p.gqa - tile * 8 * NH);   // query heads in this tile
   const int head0 = kvh * p.gqa + tile * 8 * NH;
@@ -65,9 +81,9 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   constexpr int64_t kRow = (int64_t)D * LY::kBpe;  // bytes per token row of one head
 
   // ---- this warp's token range ----
-  const int quarter = p.partition_size / kWarps;
-  const int w0 = p0 + warp * quarter;
-  const int w1 = min(w0 + quarter, L);
+  const int quarter = wrows ? p.partition_size : p.partition_size / kWarps;
+  const int w0 = wrows ? p0 : p0 + warp * quarter;
+  const int w1 = live ? min(w0 + quarter, L) : w0;
   const int s_begin = max(w0, first & ~(kStep - 1));
 
   // O^T accumulators: tile mt rows g / g+8 are head dims vdim(g, 2mt) / vdim(g, 2mt+1); columns are
@@ -147,7 +163,8 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   // ---- Q^T fragments (B operand): head (n) g of each 8-head tile, dims permuted like K ----
   // Q^T fragments live in shared memory and are read back at every step (8 bytes per lane per
   // k-block, conflict free): registers are what limits the loads in flight, not shared bandwidth.
-  __shared__ uint2 sq[NH][LY::kKb][32];
+  __shared__ uint2 sq_all[kRowsOk ? kWarps : 1][NH][LY::kKb][32];
+  auto& sq = sq_all[wrows ? warp : 0];
   float qmul = 1.0f;  // power of two folded into the logit scale
   {
     float qv[NH][LY::kKb][4];
@@ -194,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
     for (int nh = 0; nh < NH; ++nh)
 #pragma unroll
       for (int kb = 0; kb < LY::kKb; ++kb) {
-        if (warp == 0) {  // every warp computed the same fragments; one writes them
+        if (wrows || warp == 0) {  // without warp rows every warp computed the same fragments
           if constexpr (kBf) {
             sq[nh][kb][lane] = make_uint2(pack_bf16x2(qv[nh][kb][0], qv[nh][kb][1]), pack_bf16x2(qv[nh][kb][2], qv[nh][kb][3]));
           } else {
@@ -367,6 +384,40 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
     }
   }
 
+  const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
+  if (wrows) {
+    // ---- warp rows: normalise and write this warp's own result from its fragments ----
+    if (!live) return;
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) l[nh][c] = rows_sum(l[nh][c]);
+#pragma unroll
+    for (int nh = 0; nh < NH; ++nh)
+#pragma unroll
+      for (int mt = 0; mt < kMt; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = nh * 8 + 2 * t + (c & 1);
+          if (r >= rows) continue;
+          const int d = LY::vdim(g, 2 * mt + (c >> 1));
+          const float lsum = l[nh][c & 1];
+          const float val = lsum > 0.f ? o[nh][mt][c] / lsum : 0.f;
+          const int h = head0 + r;
+          if (!split) {
+            const float x = val * vs;
+            const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
+            if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
+            else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
+          } else {
+            const int64_t slot = ((int64_t)seq * p.num_heads + h) * p.num_parts + part;
+            p.part_out[slot * D + d] = val;
+            if (d == 0) { p.part_ml[2 * slot] = m[nh][c & 1]; p.part_ml[2 * slot + 1] = lsum; }
+          }
+        }
+    return;
+  }
+
   // ---- merge the four warps through shared memory ----
   __shared__ float sm_m[kWarps][16], sm_l[kWarps][16];
   __shared__ float so[16][D];
@@ -406,7 +457,6 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
     __syncthreads();
   }
   // ---- write: the output (one partition) or this partition's normalised partial result ----
-  const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
   for (int idx = threadIdx.x; idx < rows * D; idx += kThreads) {
     const int r = idx / D, d = idx % D;
     float M = -INFINITY, Lsum = 0.f;

@@ -25,6 +25,7 @@ struct DecodeParams {
   int block_size, block_shift;  // block_size is a power of two
   int partition_size, num_parts, window;  // window <= 0: off
   int q_is_bf16;                // query/out dtype: 1 bf16, 0 fp16
+  int warp_rows;                // 1: each warp serves its own (sequence, KV head); grid x = rows / 4
 };
 
 struct CacheParams {
