@@ -34,9 +34,11 @@ template <Kind K, int D, int NH> struct LoopConfig {
   static constexpr int kMinBlocks = (NH == 1 && D <= 128) ? 4 : 1;
 };
 
-template <Kind K, int D, int NH, bool kPlain>
+template <Kind K, int D, int NH, bool kPlain, bool kRows>
 __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) decode_kernel(const DecodeParams p) {
   // kPlain: no soft-cap and no ALiBi (the common case compiles without their branches).
+  // kRows: warp rows (below); a template flag so the other kernel keeps its registers.
+  static_assert(!kRows || NH == 1, "warp rows serve one head tile");
   constexpr int SUB = LoopConfig<K, D, NH>::kSub;
   constexpr float kSlack = 8.f;
   // NH tiles of 8 query heads (the MMA's N) share every K/V fragment.
@@ -49,8 +51,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   // Warp rows (one head tile only): each warp serves its own (sequence, KV head) over the whole
   // partition and writes its own result, with no merge between warps: the grid's x covers 4 rows
   // (KV heads of a sequence, fastest). Otherwise the CTA serves one row, a quarter per warp.
-  constexpr bool kRowsOk = NH == 1;
-  const bool wrows = kRowsOk && p.warp_rows;
+  constexpr bool wrows = kRows;
   int seq = blockIdx.x, y = blockIdx.y;
   bool live = true;  // this warp has a row (warp rows: the last CTA may have fewer than 4)
   if (wrows) {
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   // ---- Q^T fragments (B operand): head (n) g of each 8-head tile, dims permuted like K ----
   // Q^T fragments live in shared memory and are read back at every step (8 bytes per lane per
   // k-block, conflict free): registers are what limits the loads in flight, not shared bandwidth.
-  __shared__ uint2 sq_all[kRowsOk ? kWarps : 1][NH][LY::kKb][32];
+  __shared__ uint2 sq_all[kRows ? kWarps : 1][NH][LY::kKb][32];
   auto& sq = sq_all[wrows ? warp : 0];
   float qmul = 1.0f;  // power of two folded into the logit scale
   {
