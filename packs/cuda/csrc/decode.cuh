@@ -1,5 +1,6 @@
 // Split-K paged decode attention on tensor cores (mma.sync m16n8k16), one CTA of 4 warps per
-// (sequence, KV head, head tile of <= 16 query heads, partition of the context).
+// (sequence, KV head, head tile of <= 16 query heads, partition of the context); or, with warp rows
+// (kRows, for many short rows), one warp per (sequence, KV head, 8-head tile, partition).
 //
 // Why this shape:
 // * All query heads of a GQA group sit in the 16 rows of one MMA tile, so every K/V byte is read
@@ -411,6 +412,8 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
             if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
             else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
           } else {
+            // A split context: verified on the H200 with a forced plan (warp rows over split-K,
+            // with and without a window); launch.plan asks for warp rows on one-pass calls only.
             const int64_t slot = ((int64_t)seq * p.num_heads + h) * p.num_parts + part;
             p.part_out[slot * D + d] = val;
             if (d == 0) { p.part_ml[2 * slot] = m[nh][c & 1]; p.part_ml[2 * slot + 1] = lsum; }
