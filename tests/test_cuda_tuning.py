@@ -110,3 +110,13 @@ def test_tune_rejects_negative_warp_rows(capsys):
     from hal.bench import tune
     assert tune.main(["--warp-rows", "-1"]) == 2
     assert "--warp-rows expects numbers >= 0" in capsys.readouterr().out
+
+
+def test_tune_stamp_keeps_the_commands_of_classes_it_did_not_retune():
+    old = {"command": "tools/tune", "classes": ["fp8-long", "fp8-short"]}
+    new = tune._stamp_with_history({"command": "tools/tune --classes fp8-short", "classes": ["fp8-short"]}, old)
+    assert new["earlier"] == [old]
+    again = tune._stamp_with_history({"command": "tools/tune", "classes": ["fp8-long", "fp8-short"]}, new)
+    assert "earlier" not in again
+    legacy = tune._stamp_with_history({"command": "b", "classes": ["fp8-short"]}, {"command": "a"})
+    assert legacy["earlier"] == [{"command": "a"}]     # a stamp without classes covered them all

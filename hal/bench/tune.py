@@ -102,6 +102,20 @@ def tune_class(cls: str, timer, device, budget_s: float, cands: list[dict] | Non
             "current_score": None if cur_i is None else scores[cur_i]}
 
 
+def _stamp_with_history(stamp: dict, old: dict | None) -> dict:
+    """The entry's new ``measured`` stamp. Earlier stamps that still account for a class this run did
+    not retune are kept under ``earlier``, so every class's values keep the command that chose them
+    (a stamp without ``classes`` covered them all)."""
+    if not old:
+        return stamp
+    from hal.kernelpacks.cuda.tuning import CLASSES
+
+    stamps = [{k: v for k, v in old.items() if k != "earlier"}, *old.get("earlier", [])]
+    new = set(stamp["classes"])
+    earlier = [st for st in stamps if set(st.get("classes", CLASSES)) - new]
+    return {**stamp, "earlier": earlier} if earlier else stamp
+
+
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         entry = table.setdefault(arch, {"classes": dict(table["default"]["classes"])})
         for res in results:
             entry["classes"][res["class"]] = res["best"]
-        entry["measured"] = stamp
+        entry["measured"] = _stamp_with_history({**stamp, "classes": [r["class"] for r in results]},
+                                                entry.get("measured"))
         tuning.TUNING_FILE.write_text(json.dumps(table, indent=2) + "\n")
         tuning.tuning_table.cache_clear()
         console.print(f"wrote {arch} into {tuning.TUNING_FILE}")
