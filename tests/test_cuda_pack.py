@@ -176,22 +176,60 @@ WARP_ROW_CASES = {
 }
 
 
-@gpu
-@pytest.mark.parametrize("name", WARP_ROW_CASES)
-def test_warp_rows(name):
-    """A warp per (sequence, KV head): forced by a tuning entry whose target every call reaches."""
-    from hal.kernelpacks.cuda import launch, tuning
+def _spy_warp_rows(monkeypatch):
+    """The warp_rows argument of every decode launch (the launcher's second-to-last argument)."""
+    from hal.kernelpacks.cuda import launch
+    seen, real = [], launch._C
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def paged_attention(self, *args):
+            seen.append(args[-2])
+            return real.paged_attention(*args)
+
+    monkeypatch.setattr(launch, "_C", Spy())
+    return seen
+
+
+def _warp_row_case(name):
     kw = dict(WARP_ROW_CASES[name])
     kw.setdefault("head_size", 128)
     kw.setdefault("cache_dtype", torch.float8_e4m3fn)
     kw["query_dtype"] = _query_for(kw["cache_dtype"])
-    case = make_case(device="cuda", **kw)
+    return make_case(device="cuda", **kw)
+
+
+@gpu
+@pytest.mark.parametrize("name", WARP_ROW_CASES)
+def test_warp_rows(name, monkeypatch):
+    """A warp per (sequence, KV head): forced by a tuning entry whose target every call reaches."""
+    from hal.kernelpacks.cuda import tuning
+    case = _warp_row_case(name)
+    seen = _spy_warp_rows(monkeypatch)
     tuning.set_override({"ctas_per_sm": 1, "waves": 1e-6, "min_partition": 1024, "warp_rows": 1})
     try:
-        assert launch.plan(len(kw["seq_lens"]), 1, 1, 1000, torch.device("cuda"), kw["cache_dtype"])[2]
         _check(case)
     finally:
         tuning.set_override(None)
+    assert seen and all(seen), f"the warp-row kernel did not run: {seen}"
+
+
+@gpu
+@pytest.mark.parametrize("window", (None, 2500))
+def test_warp_rows_over_a_split_context(window, monkeypatch):
+    """The warp-row kernel's split-K path (partials merged by reduce.cu), reached by a forced plan:
+    the planner asks for warp rows on one-pass calls only."""
+    from hal.kernelpacks.cuda import launch
+    case = make_case(seq_lens=[9000, 5, 3000, 1024], num_kv_heads=2, num_heads=32, head_size=128,
+                     cache_dtype=torch.float8_e4m3fn, query_dtype=torch.bfloat16, device="cuda")
+    if window:
+        case.kwargs = {"sliding_window": window}
+    seen = _spy_warp_rows(monkeypatch)
+    monkeypatch.setattr(launch, "plan", lambda *a, **k: (1024, 9, True))
+    _check(case, max_seq_len=9000)
+    assert seen and all(seen)
 
 
 @gpu

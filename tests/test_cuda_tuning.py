@@ -120,3 +120,8 @@ def test_tune_stamp_keeps_the_commands_of_classes_it_did_not_retune():
     assert "earlier" not in again
     legacy = tune._stamp_with_history({"command": "b", "classes": ["fp8-short"]}, {"command": "a"})
     assert legacy["earlier"] == [{"command": "a"}]     # a stamp without classes covered them all
+    # A (all classes), then B (fp8-short), then C (the other three): A accounts for nothing any more.
+    a = {"command": "A", "classes": list(tuning.CLASSES)}
+    b = tune._stamp_with_history({"command": "B", "classes": ["fp8-short"]}, a)
+    c = tune._stamp_with_history({"command": "C", "classes": ["fp8-long", "16bit-short", "16bit-long"]}, b)
+    assert [st["command"] for st in c["earlier"]] == ["B"]

@@ -103,16 +103,20 @@ def tune_class(cls: str, timer, device, budget_s: float, cands: list[dict] | Non
 
 
 def _stamp_with_history(stamp: dict, old: dict | None) -> dict:
-    """The entry's new ``measured`` stamp. Earlier stamps that still account for a class this run did
-    not retune are kept under ``earlier``, so every class's values keep the command that chose them
-    (a stamp without ``classes`` covered them all)."""
+    """The entry's new ``measured`` stamp. Earlier stamps that still account for a class (one no newer
+    run retuned) are kept under ``earlier``, newest first, so every class's values keep the command
+    that chose them (a stamp without ``classes`` covered them all)."""
     if not old:
         return stamp
     from hal.kernelpacks.cuda.tuning import CLASSES
 
-    stamps = [{k: v for k, v in old.items() if k != "earlier"}, *old.get("earlier", [])]
-    new = set(stamp["classes"])
-    earlier = [st for st in stamps if set(st.get("classes", CLASSES)) - new]
+    covered = set(stamp["classes"])
+    earlier = []
+    for st in ({k: v for k, v in old.items() if k != "earlier"}, *old.get("earlier", [])):
+        own = set(st.get("classes", CLASSES))
+        if own - covered:
+            earlier.append(st)
+        covered |= own
     return {**stamp, "earlier": earlier} if earlier else stamp
 
 
