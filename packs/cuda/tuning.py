@@ -67,7 +67,7 @@ def warp_rows(rows: int, sms: int, params: dict) -> bool:
     """Whether a one-pass call of ``rows`` (sequences x KV heads x head tiles) has each warp serve its
     own row: when ``rows >= warp_rows * sms * ctas_per_sm * waves`` (the entry's ``warp_rows``; 0 or
     absent: never). Each warp then streams a whole row with no merge between warps, which pays where
-    rows are many and short (a quarter of a 1K row is only 8 load rounds of the CTA's 4 warps)."""
+    rows are many and short (a quarter of a 1K row is only 8 FP8 load rounds per warp)."""
     f = params.get("warp_rows", 0)
     return f > 0 and rows >= f * sms * params["ctas_per_sm"] * params["waves"]
 
