@@ -6,20 +6,13 @@
 
 namespace kv {
 
-template <class IN> struct Input;  // four consecutive input elements as floats
-template <> struct Input<F16> {
+// Four consecutive input elements as floats; the primary template serves the 16-bit inputs (F16,
+// BF16: each has to_f32 from its raw bits).
+template <class IN> struct Input {
   static HAL_DEV void load4(const void* p, float* f) {
     const u32x2 w = hal_ld(static_cast<const u32x2*>(p));
     #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = F16::to_f32((u16)(w[i / 2] >> (16 * (i % 2))));
-  }
-  static constexpr int kBytes = 2;
-};
-template <> struct Input<BF16> {
-  static HAL_DEV void load4(const void* p, float* f) {
-    const u32x2 w = hal_ld(static_cast<const u32x2*>(p));
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = BF16::to_f32((u16)(w[i / 2] >> (16 * (i % 2))));
+    for (int i = 0; i < 4; ++i) f[i] = IN::to_f32((u16)(w[i / 2] >> (16 * (i % 2))));
   }
   static constexpr int kBytes = 2;
 };
