@@ -82,6 +82,18 @@ def test_compiled_module_reports_no_gpu():
     assert list(_C.head_sizes()) == list(_support().head_sizes)
 
 
+def test_launcher_names_an_inconsistent_warp_rows_request():
+    """Warp rows need one 8-head tile per CTA; the launcher says so before touching the GPU."""
+    try:
+        from hal.kernelpacks.cuda import _C
+    except ImportError:
+        pytest.skip("the compiled module is not built here (no nvcc at install time)")
+    # 16 query heads per KV head in one 16-head tile (head_tiles=1), with warp rows asked for
+    args = [2, 128] + [0] * 11 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1, 0]
+    with pytest.raises(ValueError, match=r"warp_rows=1 needs one 8-head tile per CTA .*got head_tiles=1"):
+        _C.paged_attention(*args)
+
+
 # ---------------------------------------------------------------- on the GPU
 
 gpu = pytest.mark.cuda

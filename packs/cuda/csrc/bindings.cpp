@@ -65,6 +65,11 @@ PYBIND11_MODULE(_C, m) {
           if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
           p.partition_size = partition_size; p.num_parts = num_parts; p.window = window; p.q_is_bf16 = q_is_bf16;
           p.warp_rows = warp_rows;
+          if (warp_rows && head_tiles * 8 < p.gqa) {
+            throw std::invalid_argument("warp_rows=1 needs one 8-head tile per CTA (head_tiles * 8 >= " +
+                                        std::to_string(p.gqa) + " query heads per KV head); got head_tiles=" +
+                                        std::to_string(head_tiles));
+          }
           if (num_seqs == 0) return;
           auto s = reinterpret_cast<cudaStream_t>(stream);
           int err;
