@@ -15,6 +15,7 @@ import logging
 
 from hal import env, fp8
 from hal.api import cache_kv, explain, paged_attention
+from hal.diagnostics import EnvironmentWarning, FallbackWarning, HalWarning, MissingScaleWarning, PackLoadWarning
 from hal.dispatch import Decision, NotSupportedError
 from hal.observer import KVScaleObserver
 from hal.pack import Availability, CallKey, OpSupport, Pack
@@ -23,12 +24,14 @@ from hal.targets import Target, target
 from hal.validate import ArgumentError
 
 logging.getLogger("hal").addHandler(logging.NullHandler())
+env.check()  # unknown HAL_* names warn, values hal cannot parse raise: at import, not at first use
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentError", "Availability", "CallKey", "Decision", "KVScaleError", "KVScaleObserver", "KVScales",
-    "NotSupportedError", "OpSupport", "Pack", "Target", "cache_kv", "env", "explain", "fp8",
+    "ArgumentError", "Availability", "CallKey", "Decision", "EnvironmentWarning", "FallbackWarning",
+    "HalWarning", "KVScaleError", "KVScaleObserver", "KVScales", "MissingScaleWarning", "NotSupportedError",
+    "OpSupport", "Pack", "PackLoadWarning", "Target", "cache_kv", "env", "explain", "fp8",
     "load_kv_scales", "packs", "paged_attention", "target",
 ]
 

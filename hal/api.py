@@ -16,9 +16,21 @@ def _split_scale(op: str, name: str, s):
         return None, None
     if isinstance(s, torch.Tensor):
         return None, s
-    if isinstance(s, (str, bytes)) or not hasattr(s, "__float__"):
-        raise validate.ArgumentError(f"hal.{op}: {name} must be a float or a float32 tensor; got {type(s).__name__}")
-    return float(s), None
+    return validate.real(op, name, s, "a float or a float32 tensor"), None
+
+
+def _host_args(op: str, query, scale, logits_soft_cap, sliding_window, max_seq_len):
+    """The Python-number arguments, checked before torch's schema would coerce them (True -> 1)."""
+    validate.tensor(op, "query", query)
+    if scale is None:  # head_size 0 (or a 0-d query) is reported by validation, not as a ZeroDivisionError
+        scale = query.shape[-1] ** -0.5 if query.dim() and query.shape[-1] > 0 else 1.0
+    else:
+        scale = validate.real(op, "scale", scale, "a finite float > 0 (or None for head_size**-0.5)")
+    if logits_soft_cap is not None:
+        logits_soft_cap = validate.real(op, "logits_soft_cap", logits_soft_cap, "None or a finite float > 0")
+    validate.integer(op, "sliding_window", sliding_window, 1, "no window; else keys at positions >= seq_len - window")
+    validate.integer(op, "max_seq_len", max_seq_len, 0, "read from seq_lens")
+    return scale, logits_soft_cap
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -46,17 +58,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``max_seq_len``: host-side upper bound on ``seq_lens`` (required during CUDA graph capture).
     ``pack``: force a pack by name (also ``HAL_PACK``).
     """
-    validate.tensor("paged_attention", "query", query)
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
+    scale, logits_soft_cap = _host_args("paged_attention", query, scale, logits_soft_cap, sliding_window,
+                                        max_seq_len)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ks, kst = _split_scale("paged_attention", "k_scale", k_scale)
     vs, vst = _split_scale("paged_attention", "v_scale", v_scale)
     torch.ops.hal.paged_attention.default(
-        out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), ks, vs, kst, vst,
-        alibi_slopes, None if logits_soft_cap is None else float(logits_soft_cap), sliding_window,
-        max_seq_len, pack)
+        out, query, key_cache, value_cache, block_tables, seq_lens, scale, ks, vs, kst, vst,
+        alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, pack)
     return out
 
 
@@ -82,11 +92,10 @@ def explain(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale=No
     from hal.targets import target
 
     op = "paged_attention"
-    ks = validate.scale(op, "k_scale", k_scale, key_cache) if k_scale is not None else 1.0
-    vs = validate.scale(op, "v_scale", v_scale, value_cache) if v_scale is not None else 1.0
-    call = validate.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens,
-        scale=float(scale if scale is not None else query.shape[-1] ** -0.5), k_scale=ks, v_scale=vs,
+    scale, logits_soft_cap = _host_args(op, query, scale, logits_soft_cap, sliding_window, max_seq_len)
+    call, _, _ = validate.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale=scale,
+        k_scale=1.0 if k_scale is None else k_scale, v_scale=1.0 if v_scale is None else v_scale,
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
         max_seq_len=max_seq_len, out=None)
     return dispatch.decide(call, target(), pack if pack is not None else env.forced_pack())

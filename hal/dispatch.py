@@ -2,7 +2,8 @@
 
 Order: the packs native to the target (in registry order), then ``emu``. The first pack that is
 available and whose declaration admits the call runs. Every rejection keeps its reasons. Running
-``emu`` on a GPU target is a fallback: it is logged once per call shape (``HAL_STRICT=1``: an error).
+``emu`` on a GPU target is a fallback: a :class:`hal.FallbackWarning` once per call shape
+(``HAL_STRICT=1``: an error on every such call).
 A forced pack (``pack=`` or ``HAL_PACK``) never falls back: if it cannot serve the call, the call
 raises with its reasons. Decisions are cached on the call's static key.
 """
@@ -11,13 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
-from hal import env, registry
+from hal import diagnostics, env, registry
 from hal.pack import CallKey, Pack
 from hal.targets import Target, target as current_target
-
-log = logging.getLogger("hal")
 
 
 class NotSupportedError(ValueError):
@@ -96,16 +94,16 @@ def decide(key: CallKey, target: Target, forced: str | None = None) -> Decision:
     return Decision(key, target, None, chosen, tuple(verdicts), fallback)
 
 
+def _fallback_message(decision: Decision) -> str:
+    reasons = "; ".join(decision.fallback_reasons())
+    return (f"hal.{decision.key.op} falls back to the emu pack on {decision.target.vendor}:"
+            f"{decision.target.arch} ({decision.key.describe()}): {reasons}")
+
+
 @functools.lru_cache(maxsize=1024)
-def _announce(decision: Decision, strict: bool) -> None:
-    """Log (or, strict, raise) once per decision."""
-    if decision.fallback:
-        reasons = "; ".join(decision.fallback_reasons())
-        msg = (f"hal.{decision.key.op} falls back to the emu pack on {decision.target.vendor}:"
-               f"{decision.target.arch} ({decision.key.describe()}): {reasons}")
-        if strict:
-            raise NotSupportedError(msg + "\n(HAL_STRICT=1 makes this fallback an error)")
-        log.warning(msg)
+def _announce(decision: Decision) -> None:
+    """Warn once per decision (the cache is what makes it once)."""
+    diagnostics.warn(_fallback_message(decision), diagnostics.FallbackWarning, stacklevel=6)
 
 
 def select(key: CallKey, pack: str | None = None) -> Pack:
@@ -114,5 +112,9 @@ def select(key: CallKey, pack: str | None = None) -> Pack:
     decision = decide(key, current_target(), forced)
     if decision.pack is None:
         raise NotSupportedError(decision.text())
-    _announce(decision, env.strict())
+    strict = env.strict()  # read on every call (never cached), so a bad value raises even without a fallback
+    if decision.fallback:
+        if strict:
+            raise NotSupportedError(_fallback_message(decision) + "\n(HAL_STRICT=1 makes this fallback an error)")
+        _announce(decision)
     return decision.pack

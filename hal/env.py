@@ -1,10 +1,12 @@
-"""The ``HAL_*`` environment variables, parsed in one place. Unknown values raise."""
+"""The ``HAL_*`` environment variables, parsed in one place and checked once when hal is imported:
+an unknown ``HAL_*`` name warns (usually a typo), a value hal does not understand raises."""
 
 from __future__ import annotations
 
 import functools
 import os
-import warnings
+
+from hal import diagnostics
 
 # name -> what it does (shown by hal-probe and in errors)
 VARIABLES = {
@@ -13,14 +15,21 @@ VARIABLES = {
     "HAL_STRICT": "1: a fallback from the target's native pack to emu, or an FP8 cache without scales, is an error",
     "HAL_DEBUG": "1: checks that need a device sync (block-table entries, slots, scale values on GPU)",
 }
-_BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True}
+BOOL_VARIABLES = ("HAL_STRICT", "HAL_DEBUG")
+_BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,
+         "off": False, "on": True}
+
+
+class EnvValueError(ValueError):
+    """A HAL_* variable has a value hal does not understand."""
 
 
 @functools.cache
 def _parse_bool(name: str, raw: str) -> bool:
     key = raw.strip().lower()
     if key not in _BOOL:
-        raise ValueError(f"{name}={raw!r} is not understood: expected 0 or 1")
+        raise EnvValueError(f"{name}={raw!r} is not understood: expected 0 or 1 (also accepted: "
+                                f"true/false, yes/no, on/off)")
     return _BOOL[key]
 
 
@@ -49,8 +58,8 @@ def target_override() -> str | None:
 @functools.cache
 def _warn_unknown(names: tuple[str, ...]) -> None:
     for name in names:
-        warnings.warn(f"{name} is set but hal knows no such variable (known: {', '.join(VARIABLES)})",
-                      stacklevel=3)
+        diagnostics.warn(f"{name} is set but hal knows no such variable (known: {', '.join(VARIABLES)})",
+                         diagnostics.EnvironmentWarning, stacklevel=4)
 
 
 def check_unknown() -> None:
@@ -58,6 +67,18 @@ def check_unknown() -> None:
     unknown = tuple(sorted(k for k in os.environ if k.startswith("HAL_") and k not in VARIABLES))
     if unknown:
         _warn_unknown(unknown)
+
+
+def check() -> None:
+    """Check every HAL_* variable now: unknown names warn, values hal cannot parse raise (naming
+    the variable). Run once at import; the accessors above re-read the environment on each call."""
+    check_unknown()
+    for name in BOOL_VARIABLES:
+        flag(name)
+    override = target_override()
+    if override:
+        from hal.targets import parse
+        parse(override)
 
 
 def snapshot() -> dict[str, str]:

@@ -7,12 +7,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import logging
 from importlib.metadata import entry_points
 
+from hal import diagnostics
 from hal.pack import Availability, Pack
-
-log = logging.getLogger(__name__)
 
 # Native packs first (in the order they are tried), emu last: it serves every target.
 IN_TREE = ("cuda", "rocm", "emu")
@@ -45,7 +43,8 @@ def _load_module(module_name: str, label: str) -> Pack:
             raise TypeError(f"{module_name}.PACK is a {type(pack).__name__}, not a hal.pack.Pack")
         return pack
     except Exception as exc:
-        log.warning("pack %s could not be loaded: %s: %s", label, type(exc).__name__, exc)
+        diagnostics.warn(f"hal: pack {label} could not be loaded ({type(exc).__name__}: {exc}); it is listed "
+                         f"as unavailable", diagnostics.PackLoadWarning)
         return Broken(label, f"importing {module_name} failed: {type(exc).__name__}: {exc}")
 
 

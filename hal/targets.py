@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from hal import env
+from hal import diagnostics, env
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,8 @@ def _detect(override: str | None) -> Target:
         else:
             found = None
     except Exception as exc:  # detection must never take the process down
-        log.warning("GPU detection failed (%s); using the CPU target", exc)
+        diagnostics.warn(f"hal: GPU detection failed ({type(exc).__name__}: {exc}); using the CPU target",
+                         diagnostics.PackLoadWarning)
         found = None
     return found or cpu_target()
 

@@ -2,7 +2,10 @@
 
 Cache contents come from random floats quantised by the reference (ml_dtypes), so a bug in
 hal.cache_kv cannot hide one in paged_attention. Pages are shuffled; block-table entries past a
-sequence's last used block are junk on purpose (a kernel must never read through them).
+sequence's last used block are junk on purpose (a kernel must never read through them). Every cache
+element no sequence reads (the unused tail of a last block, blocks no table references, positions
+before a sliding window) holds NaN or inf bytes: caches are allocated with torch.empty in an engine,
+so any byte can be there, and masked positions must contribute exactly nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +51,37 @@ def random_cache(shape, dtype, scale, gen: torch.Generator) -> torch.Tensor:
     return real.to(dtype)
 
 
+# Bytes no sequence reads are set to these (alternating by slot): NaN, and inf where the encoding has one.
+_POISON_BYTES = {
+    torch.float8_e4m3fn: (0x7F, 0xFF), torch.float8_e4m3fnuz: (0x80, 0x80),
+    torch.float8_e5m2: (0x7F, 0x7C), torch.float8_e5m2fnuz: (0x80, 0x80),
+}
+
+
+def read_slots(block_tables: torch.Tensor, seq_lens, block_size: int, num_blocks: int,
+               sliding_window=None) -> torch.Tensor:
+    """[num_blocks, block_size] bool: the cache slots some sequence attends to."""
+    read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    tables = block_tables.cpu().to(torch.int64)
+    for i, L in enumerate(int(x) for x in seq_lens):
+        lo = 0 if sliding_window is None else max(0, L - int(sliding_window))
+        pos = torch.arange(lo, L)
+        read[tables[i, pos // block_size], pos % block_size] = True
+    return read
+
+
+def poison_unread(cache: torch.Tensor, read: torch.Tensor) -> None:
+    """Fill every slot of ``cache`` (HND) that ``read`` marks unread with NaN / inf, in place."""
+    slot_parity = (torch.arange(cache.shape[2]) % 2).expand_as(read)
+    for parity in (0, 1):
+        where = (~read) & (slot_parity == parity)
+        blk, off = where.nonzero(as_tuple=True)
+        if cache.dtype in FP8:
+            cache.view(torch.uint8)[blk, :, off] = _POISON_BYTES[cache.dtype][parity]
+        else:
+            cache[blk, :, off] = float("nan") if parity == 0 else float("inf")
+
+
 def fp8_scale_for(dtype: torch.dtype) -> float:
     """A realistic per-tensor scale: N(0,1) data with absmax ~4.5 maps onto the format's range."""
     return 4.5 / torch.finfo(dtype).max if dtype in FP8 else 1.0
@@ -56,7 +90,7 @@ def fp8_scale_for(dtype: torch.dtype) -> float:
 def make_case(*, seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
               cache_dtype=torch.float8_e4m3fn, query_dtype=torch.bfloat16, per_head_scales=False,
               scale_as_tensor=False, extra_blocks=3, share_prefix=False, seed=0, device="cpu",
-              **kwargs) -> Case:
+              garbage=True, **kwargs) -> Case:
     gen = torch.Generator().manual_seed(seed)
     n = len(seq_lens)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -82,6 +116,10 @@ def make_case(*, seq_lens, num_heads=8, num_kv_heads=2, head_size=64, block_size
             shared = min(used, (tables[0] != 10**6).sum().item()) - 1
             if shared > 0:
                 tables[i, :shared] = tables[0, :shared]
+    if garbage:
+        read = read_slots(tables, seq_lens, block_size, num_blocks, kwargs.get("sliding_window"))
+        poison_unread(kc, read)
+        poison_unread(vc, read)
     q = torch.randn((n, num_heads, head_size), generator=gen).to(query_dtype)
     t = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
     kwargs = {k: t(v) for k, v in kwargs.items()}
@@ -132,3 +170,75 @@ def gpu_tolerance_ok(out: torch.Tensor, ref: np.ndarray) -> tuple[bool, str]:
         return False, f"{int((~np.isfinite(o)).sum())} non-finite outputs (unwritten or NaN)"
     rel = reference.relative_l2(o, ref)
     return rel <= GPU_REL_L2, f"relative L2 error {rel:.3g} (bound {GPU_REL_L2})"
+
+
+# ---------------------------------------------------------------------------------------------
+# NaN inputs: the documented formula gives NaN where a NaN takes part; only an empty sequence is 0.
+
+def _nan_byte(dtype) -> int:
+    return _POISON_BYTES[dtype][0]
+
+
+def nan_input_cases(**over) -> dict[str, tuple[Case, list[tuple[int, int]]]]:
+    """Valid calls with a NaN planted, and the (sequence, head) output rows that must be NaN:
+    - "query": one element of head 1 of sequence 0 (that row only), and the whole query of the
+      empty sequence 1 (which stays zeros);
+    - "key": a key that is read (sequence 2, position 4, KV head 1): every head of that KV group of
+      sequence 2, no other sequence;
+    - "alibi": the slope of head 2: head 2 of every non-empty sequence (slope * 0 at the last key).
+    8 query heads over 2 KV heads; ``over`` changes the cache/query dtypes, sizes or device."""
+    base = dict(seq_lens=[37, 0, 21, 5], num_heads=8, num_kv_heads=2, head_size=64, block_size=16)
+    base.update(over)
+    device = base.pop("device", "cpu")
+    g = base["num_heads"] // base["num_kv_heads"]
+    out = {}
+
+    c = make_case(**base, seed=21)
+    c.query[0, 1, 3] = float("nan")
+    c.query[1] = float("nan")
+    out["query"] = (c, [(0, 1)])
+
+    c = make_case(**base, seed=22)
+    blk, off = int(c.block_tables[2, 0]), 4
+    if c.key_cache.dtype in FP8:
+        c.key_cache.view(torch.uint8)[blk, 1, off, 7] = _nan_byte(c.key_cache.dtype)
+    else:
+        c.key_cache[blk, 1, off, 7] = float("nan")
+    out["key"] = (c, [(2, h) for h in range(g, 2 * g)])
+
+    slopes = alibi_slopes(base["num_heads"])
+    slopes[2] = float("nan")
+    c = make_case(**base, seed=23, alibi_slopes=slopes)
+    out["alibi"] = (c, [(i, 2) for i, L in enumerate(base["seq_lens"]) if L > 0])
+
+    for name, (c, rows) in out.items():
+        out[name] = (_to(c, device), rows)
+    return out
+
+
+def _to(c: Case, device) -> Case:
+    t = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return Case(t(c.query), t(c.key_cache), t(c.value_cache), t(c.block_tables), t(c.seq_lens), t(c.k_scale),
+                t(c.v_scale), {k: t(v) for k, v in c.kwargs.items()})
+
+
+def nan_rows_ok(out: torch.Tensor, case: Case, nan_rows, close=tolerance_ok) -> tuple[bool, str]:
+    """Rows in ``nan_rows`` are NaN in every element, rows of empty sequences are exactly 0, and the
+    rest match the float64 reference under ``close`` (the pack's usual tolerance)."""
+    o = out.detach().cpu().to(torch.float64)
+    n, h, _ = o.shape
+    want_nan = torch.zeros(n, h, dtype=torch.bool)
+    for i, hh in nan_rows:
+        want_nan[i, hh] = True
+    is_nan = torch.isnan(o)
+    if not bool(is_nan[want_nan].all()):
+        return False, f"rows {nan_rows} must be NaN (a NaN takes part); {int((~is_nan[want_nan]).sum())} elements are not"
+    if bool(is_nan[~want_nan].any()):
+        rows = sorted({(int(a), int(b)) for a, b, _ in is_nan.nonzero().tolist() if not want_nan[a, b]})
+        return False, f"NaN leaked into rows {rows[:8]} (only {nan_rows} may be NaN)"
+    empty = (case.seq_lens.cpu() == 0)
+    if bool((o[empty] != 0).any()):
+        return False, "rows of empty sequences must be exactly 0"
+    ref = case.reference()
+    keep = ~want_nan
+    return close(out.detach().cpu()[keep].unsqueeze(0), ref[keep.numpy()][None])

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hal
-from cases import FEATURES, FP8, alibi_slopes, make_case, tolerance_ok, gpu_tolerance_ok
+from cases import (FEATURES, FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok,
+                   poison_unread, read_slots, tolerance_ok)
 from hal.kernelpacks.emu import pack as emu_pack
 from hal.kernelpacks.emu import torch_path
 
@@ -148,3 +149,38 @@ def test_no_sequences(device):
     out = hal.paged_attention(q, case.key_cache, case.value_cache, case.block_tables[:0],
                               case.seq_lens[:0], k_scale=case.k_scale, v_scale=case.v_scale)
     assert out.shape == (0, *case.query.shape[1:])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("where", ["query", "key", "alibi"])
+def test_nan_inputs_give_nan_rows_not_zeros(where, cache_dtype, device):
+    """A NaN in the query, in a key that is read or in an ALiBi slope gives NaN (the documented
+    formula) in exactly the rows it takes part in; only an empty sequence gives zeros."""
+    case, rows = nan_input_cases(cache_dtype=cache_dtype, device=device)[where]
+    out = _run(case)
+    ok, msg = nan_rows_ok(out, case, rows, _ok)
+    assert ok, msg
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2,
+                                         torch.float16, torch.float32], ids=str)
+def test_unread_cache_bytes_contribute_nothing(cache_dtype, device):
+    """NaN/inf bytes everywhere no sequence reads: the unused tail of a last block, a block that only
+    another sequence references (the one a short sequence's junk table columns would resolve to),
+    blocks no one references, and positions before a sliding window."""
+    case = make_case(seq_lens=[3, 40, 17, 1], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                     cache_dtype=cache_dtype, sliding_window=9, device=device, seed=5)
+    # Make block 0 one that only sequence 1 references, with garbage in its unread slots.
+    tables = case.block_tables
+    b1 = int(tables[1, 0])
+    for t in (case.key_cache, case.value_cache):
+        t[[0, b1]] = t[[b1, 0]].clone()
+    case.block_tables = torch.where(tables == b1, 0, torch.where(tables == 0, b1, tables)).to(torch.int32)
+    assert int(case.block_tables[1, 0]) == 0
+    read = read_slots(case.block_tables, case.seq_lens.tolist(), 16, case.key_cache.shape[0], 9)
+    poison_unread(case.key_cache, read)
+    poison_unread(case.value_cache, read)
+    assert not bool(read.all(dim=1)[0]), "block 0 must hold unread (poisoned) slots"
+    out = _run(case)
+    ok, msg = _ok(out, case.reference())
+    assert ok, msg

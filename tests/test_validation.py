@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -61,10 +64,10 @@ BAD = {
     "k_scale wrong heads": (lambda c: dict(k_scale=torch.ones(3)), r"k_scale must be a float, a 0-d tensor or a \[num_kv_heads=2\] tensor"),
     "k_scale float64": (lambda c: dict(k_scale=torch.ones(2, dtype=torch.float64)), r"k_scale must be a float32 tensor"),
     "k_scale tensor negative": (lambda c: dict(k_scale=torch.tensor([1.0, -2.0])), r"k_scale must be finite and > 0; got \[1.0, -2.0\]"),
-    "k_scale string": (lambda c: dict(k_scale="0.1"), r"k_scale must be a float or a float32 tensor; got str"),
+    "k_scale string": (lambda c: dict(k_scale="0.1"), r"k_scale must be a float or a float32 tensor; got '0.1' \(str\)"),
     "alibi": (lambda c: dict(alibi_slopes=torch.ones(4)), r"alibi_slopes must be a float32 \[num_heads=8\] tensor"),
     "soft cap": (lambda c: dict(logits_soft_cap=0.0), r"logits_soft_cap must be None or a finite float > 0"),
-    "window 0": (lambda c: dict(sliding_window=0), r"sliding_window must be None \(no window\) or an int >= 1"),
+    "window 0": (lambda c: dict(sliding_window=0), r"sliding_window must be None \(no window; .*\) or an int >= 1; got 0"),
     "window -1": (lambda c: dict(sliding_window=-1), r"sliding_window must be None"),
     "max_seq_len small": (lambda c: dict(max_seq_len=20), r"max_seq_len must be >= every seq_len \(max is 33\); got 20"),
     "max_seq_len huge": (lambda c: dict(max_seq_len=10**6), r"max_seq_len must be <= the block table's capacity 64 tokens; got 1000000"),
@@ -90,11 +93,13 @@ def test_unsupported_head_size_names_the_pack_and_reason():
         call(c)
 
 
-def test_fp8_cache_without_scales_warns_once(case, caplog):
-    with caplog.at_level(logging.WARNING, logger="hal"):
+def test_fp8_cache_without_scales_warns_once(case):
+    """A user must see it (a warning, not only a log record with no handler), once per op."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         call(case, k_scale=None, v_scale=None)
         call(case, k_scale=None, v_scale=None)
-    msgs = [r.getMessage() for r in caplog.records if "no k_scale/v_scale" in r.getMessage()]
+    msgs = [str(w.message) for w in seen if issubclass(w.category, hal.MissingScaleWarning)]
     assert len(msgs) == 1 and "using 1.0" in msgs[0]
 
 
@@ -135,3 +140,147 @@ def test_cache_kv_bad_arguments():
         hal.cache_kv(k, k.half(), kc, kc.clone(), torch.arange(3), k_scale=1.0, v_scale=1.0)
     with pytest.raises(hal.ArgumentError, match=r"key_cache is uint8"):
         hal.cache_kv(k, k, kc.view(torch.uint8), kc.view(torch.uint8), torch.arange(3))
+
+
+# ---------------------------------------------------------------------------------------------
+# The second catalogue of bad and edge inputs (hardening issue).
+
+def _cache_kv_args(dtype=torch.bfloat16):
+    kc = torch.zeros(4, 2, 8, 64, dtype=dtype)
+    return torch.randn(3, 2, 64), torch.randn(3, 2, 64), kc, kc.clone(), torch.tensor([0, 9, 17])
+
+
+@pytest.mark.parametrize("which", ["block_tables", "seq_lens", "k_scale", "out"])
+def test_a_meta_tensor_among_real_ones_is_refused(case, which):
+    """Torch routes a call with any meta tensor to the shape-only kernel: it must refuse the mix
+    instead of returning uninitialised memory."""
+    if which == "k_scale":
+        over = dict(k_scale=torch.tensor([0.01, 0.02], device="meta"))
+    elif which == "out":
+        over = dict(out=torch.empty(case.query.shape, dtype=case.query.dtype, device="meta"))
+    else:
+        over = {which: getattr(case, which).to("meta")}
+    with pytest.raises(hal.ArgumentError, match=rf"{which} is on the meta device while .* on cpu"):
+        call(case, **over)
+
+
+def test_cache_kv_meta_slot_mapping_is_refused():
+    k, v, kc, vc, slots = _cache_kv_args()
+    with pytest.raises(hal.ArgumentError, match=r"slot_mapping is on the meta device"):
+        hal.cache_kv(k, v, kc, vc, slots.to("meta"))
+
+
+def test_all_meta_call_still_infers_shapes(case):
+    m = lambda t: t.to("meta")  # noqa: E731
+    out = hal.paged_attention(m(case.query), m(case.key_cache), m(case.value_cache), m(case.block_tables),
+                              m(case.seq_lens), k_scale=0.5, v_scale=0.5)
+    assert out.device.type == "meta" and out.shape == case.query.shape
+
+
+@pytest.mark.parametrize("arg", ["sliding_window", "max_seq_len"])
+def test_bools_are_not_ints(case, arg):
+    with pytest.raises(hal.ArgumentError, match=rf"{arg} must be None .* or an int >= \d; got True \(bool\)"):
+        call(case, **{arg: True})
+
+
+@pytest.mark.parametrize("arg", ["scale", "logits_soft_cap", "k_scale"])
+def test_bools_are_not_floats(case, arg):
+    with pytest.raises(hal.ArgumentError, match=rf"{arg} must be .*; got True \(bool\)"):
+        call(case, **{arg: True})
+
+
+def test_autograd_is_refused_on_every_op(case):
+    """hal's ops are inference-only: a tensor that requires grad (with grad mode on) is an error,
+    never a cache silently attached to the autograd graph."""
+    k, v, kc, vc, slots = _cache_kv_args(torch.bfloat16)
+    k.requires_grad_(True)
+    with pytest.raises(hal.ArgumentError, match=r"key requires grad; hal's ops are inference-only"):
+        hal.cache_kv(k, v, kc, vc, slots)
+    assert not kc.requires_grad and kc.grad_fn is None
+    q = case.query.float().requires_grad_(True)
+    with pytest.raises(hal.ArgumentError, match=r"query requires grad.*torch.no_grad\(\)"):
+        call(case, query=q)
+    with torch.no_grad():  # the documented way: fine, and nothing is tracked
+        hal.cache_kv(k, v, kc, vc, slots)
+        out = call(case, query=q)
+    assert kc.grad_fn is None and not out.requires_grad
+
+
+def test_a_scale_given_twice_to_the_torch_op_is_an_error(case):
+    out = torch.empty_like(case.query)
+    with pytest.raises(hal.ArgumentError, match=r"k_scale was given twice, as the float 0.5 and as a tensor"):
+        torch.ops.hal.paged_attention.default(out, case.query, case.key_cache, case.value_cache, case.block_tables,
+                                              case.seq_lens, 0.125, 0.5, None, torch.tensor(0.25), None, None,
+                                              None, None, None, None)
+
+
+def test_strict_raises_every_time_even_after_a_warning(case, monkeypatch):
+    with pytest.warns(hal.MissingScaleWarning):
+        call(case, k_scale=None, v_scale=None)
+    monkeypatch.setenv("HAL_STRICT", "1")
+    for _ in range(2):
+        with pytest.raises(hal.ArgumentError, match="HAL_STRICT=1"):
+            call(case, k_scale=None, v_scale=None)
+
+
+def test_fallback_warning_is_visible_without_logging_setup(monkeypatch):
+    """No handler on the 'hal' logger: the user still sees the fallback (a warning)."""
+    monkeypatch.setenv("HAL_TARGET", "gfx942")
+    c = make_case(seq_lens=[5], cache_dtype=torch.float8_e4m3fnuz)
+    with pytest.warns(hal.FallbackWarning, match=r"falls back to the emu pack on rocm:gfx942"):
+        call(c)
+
+
+@pytest.mark.parametrize("name,make,pattern", [
+    ("head_size 0", lambda c: dict(query=c.query[..., :0], key_cache=c.key_cache[..., :0],
+                                   value_cache=c.value_cache[..., :0]),
+     r"key_cache must be \[num_blocks, num_kv_heads, block_size, head_size\] with head_size >= 1"),
+    ("1-d key_cache", lambda c: dict(key_cache=c.key_cache.flatten(), k_scale=torch.tensor([1.0, 1.0])),
+     r"key_cache must be 4-d"),
+    ("block_size 0", lambda c: dict(key_cache=c.key_cache[:, :, :0], value_cache=c.value_cache[:, :, :0]),
+     r"key_cache must be .* with block_size >= 1"),
+    ("k_scale overflows float32", lambda c: dict(k_scale=1e39),
+     r"k_scale must be finite and > 0 as a float32 .*; got 1e\+39"),
+    ("scale overflows float32", lambda c: dict(scale=1e39), r"scale must be a finite float > 0 .* as a float32"),
+    ("0-d query", lambda c: dict(query=torch.tensor(1.0, dtype=torch.bfloat16)), r"query must be 3-d"),
+])
+def test_edge_shapes_and_values_get_named_errors(case, name, make, pattern):
+    with pytest.raises(hal.ArgumentError, match=pattern):
+        call(case, **make(case))
+
+
+def test_strided_last_dim_query_and_out_are_accepted(case):
+    """Any strides, as torch's own ops accept: a transposed view is copied where a kernel needs it."""
+    want = call(case)
+    n, h, d = case.query.shape
+    q_t = case.query.transpose(1, 2).contiguous().transpose(1, 2)  # same values, last-dim stride h
+    out_t = torch.full((n, d, h), float("nan"), dtype=case.query.dtype).transpose(1, 2)
+    assert q_t.stride(-1) != 1 and out_t.stride(-1) != 1
+    got = call(case, query=q_t, out=out_t)
+    assert got is out_t and torch.equal(out_t, want)
+    k, v, kc, vc, slots = _cache_kv_args(torch.bfloat16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    hal.cache_kv(k, v, kc, vc, slots)
+    hal.cache_kv(k.transpose(1, 2).contiguous().transpose(1, 2), v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def _import_hal(env: dict) -> subprocess.CompletedProcess:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, *(p for p in sys.path if p)])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HAL_")}
+    return subprocess.run([sys.executable, "-W", "always", "-c", "import hal; print(hal.env.debug())"],
+                          env={**clean, "PYTHONPATH": path, **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_environment_is_checked_at_import():
+    """Unknown HAL_* names warn and values hal cannot parse raise when hal is imported, not at a
+    first use that may never come (HAL_DEBUG is read only for GPU tensors)."""
+    bad = _import_hal({"HAL_DEBUG": "maybe"})
+    assert bad.returncode != 0 and "HAL_DEBUG='maybe' is not understood" in bad.stderr
+    typo = _import_hal({"HAL_FOO": "1"})
+    assert typo.returncode == 0 and "HAL_FOO is set but hal knows no such variable" in typo.stderr
+    on = _import_hal({"HAL_DEBUG": "on"})
+    assert on.returncode == 0 and on.stdout.strip() == "True"
+    target = _import_hal({"HAL_TARGET": "tpu_v5"})
+    assert target.returncode != 0 and "HAL_TARGET='tpu_v5' is not understood" in target.stderr

@@ -82,18 +82,23 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
         if slopes is not None:
             s = s + slopes * (pos[None, :] - (lens[:, None] - 1)).to(torch.float32).reshape(n, 1, 1, t)
         keep = (pos[None, :] < lens[:, None]) & (pos[None, :] >= first[:, None])
-        s = s.masked_fill(~keep.reshape(n, 1, 1, t), -math.inf)
+        drop = ~keep.reshape(n, 1, t, 1)
+        s = s.masked_fill(drop.transpose(-1, -2), -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe[..., None])
-        v = _gather_decode(value_cache, blocks)
+        # Masked positions must contribute nothing: p = 0 there, but 0 * NaN (any byte can sit in an
+        # unused slot, in a block only another sequence uses, or before a window) is NaN.
+        v = _gather_decode(value_cache, blocks).masked_fill_(drop, 0.0)
         l = l * alpha + p.sum(dim=-1)
         acc = acc * alpha[..., None] + torch.matmul(p, v)
         m = m_new
     out_scale = _per_head(v_scale, hkv, dev)
     result = acc * out_scale / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    result = torch.where((l > 0)[..., None], result, torch.zeros_like(result))  # empty sequences -> 0
+    # Only an empty sequence gives zeros; NaN in a query, a key that is read or a slope stays NaN.
+    empty = (lens == 0).reshape(n, 1, 1, 1)
+    result = result.masked_fill(empty, 0.0)
     out.copy_(result.reshape(n, h, d))
 
 

@@ -198,7 +198,7 @@ def attn_partition_kernel(
         if V_SCALE_STRIDE >= 0:
             v_scale = v_scale * tl.load(vs_ptr + kvh * V_SCALE_STRIDE)
         res = acc * (v_scale / tl.maximum(l_i, 1e-30))[:, None]
-        res = tl.where((l_i > 0)[:, None], res, 0.0)  # empty sequence (or window) -> zeros
+        res = tl.where(((rows * 0 + L) > 0)[:, None], res, 0.0)  # only an empty sequence gives zeros (NaN stays NaN)
         tl.store(out_ptr + seq64 * stride_on + heads[:, None] * stride_oh + dims[None, :],
                  res.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -253,7 +253,7 @@ def attn_merge_kernel(
     if V_SCALE_STRIDE >= 0:
         v_scale = v_scale * tl.load(vs_ptr + (head // G) * V_SCALE_STRIDE)
     res = tl.sum(acc, 0) * (v_scale / tl.maximum(l_sum, 1e-30))
-    res = tl.where(l_sum > 0, res, 0.0)
+    res = tl.where((dims * 0 + L) > 0, res, 0.0)  # only an empty sequence gives zeros (NaN stays NaN)
     tl.store(out_ptr + seq64 * stride_on + head * stride_oh + dims, res.to(out_ptr.dtype.element_ty),
              mask=dim_ok)
 
