@@ -10,6 +10,9 @@ Semantics (design.md, "FP8 semantics"):
   NaN stays NaN. Torch's own casts disagree across encodings (e4m3fn saturates, e4m3fnuz gives NaN,
   e5m2 gives inf), so nothing here uses them: decode is a 256-entry table built from the bit layout,
   encode is exact arithmetic on float64.
+* A scale is finite and > 0 in float32 (a per-head one has one entry per head); :func:`encode` and
+  :func:`decode` refuse anything else with :class:`hal.ArgumentError` (a zero scale would saturate every
+  value, silently).
 * A cache's torch dtype *is* its encoding. The same byte means different numbers in e4m3fn and
   e4m3fnuz (fnuz values are half, and 0x80 is NaN there), so bytes only move between the two through
   :func:`fn_to_fnuz`.
@@ -211,25 +214,98 @@ def encode_bytes(x: torch.Tensor, encoding: Encoding | torch.dtype) -> torch.Ten
     return torch.where(torch.isnan(a), torch.tensor(nan_byte, dtype=torch.uint8, device=a.device), out)
 
 
-def _as_scale_tensor(scale, like: torch.Tensor, head_dim: int | None) -> torch.Tensor | float:
-    if isinstance(scale, torch.Tensor):
-        s = scale.to(device=like.device, dtype=torch.float32)
-        if s.dim() == 1 and head_dim is not None:  # per-head scale: broadcast over that dim
-            shape = [1] * like.dim()
-            shape[head_dim] = -1
-            s = s.view(shape)
-        return s
-    return float(scale)
+def _scale_error(op: str, expected: str, given: str) -> Exception:
+    """``hal.ArgumentError`` (a ValueError), imported here: hal.validate imports this module."""
+    from hal.validate import ArgumentError
+    return ArgumentError(f"hal.fp8.{op}: scale must be {expected}; got {given}")
+
+
+def _as_scale_tensor(scale, like: torch.Tensor, head_dim: int | None, op: str) -> torch.Tensor | float:
+    """``scale`` checked and shaped for ``like`` (x in encode, the values in decode): a float, or
+    a float32 tensor on ``like``'s device, a per-head one viewed along ``head_dim``.
+
+    Refuses zero, negative, NaN and infinite scales, and floats float32 cannot hold (the division is
+    done in float32): a zero scale would saturate every value. Tensor values are read on the CPU
+    always, on a device only under HAL_DEBUG=1 (reading them there is a sync); shapes always.
+    """
+    if not isinstance(scale, torch.Tensor):
+        return _float_scale(scale, op)
+    if scale.dim() > 1:
+        raise _scale_error(op, "a float, a 0-d tensor or a 1-d per-head tensor",
+                           f"a tensor of shape {tuple(scale.shape)}")
+    shape = None
+    if scale.dim() == 1 and (head_dim is not None or scale.numel() != 1):
+        shape = _per_head_shape(scale, like, head_dim, op)
+    s = scale.to(dtype=torch.float32)
+    if s.device.type == "cpu" or _debug():  # checked where it lives: no copy, no sync on the CPU
+        _check_values(s, op)
+    s = s.to(like.device)
+    return s.view(shape) if shape is not None else s
+
+
+def _debug() -> bool:
+    from hal import env  # imported here: this module imports nothing of hal's at load time
+    return env.debug()
+
+
+def _float_scale(scale, op: str) -> float:
+    try:
+        if isinstance(scale, (str, bytes)):
+            raise TypeError(scale)
+        f = float(scale)
+    except (TypeError, ValueError):
+        raise _scale_error(op, "a float or a tensor", type(scale).__name__) from None
+    f32 = float(torch.tensor(f, dtype=torch.float32))  # what x / scale is computed in
+    if not (math.isfinite(f) and f > 0):
+        raise _scale_error(op, "finite and > 0", repr(f))
+    if not (math.isfinite(f32) and f32 > 0):
+        raise _scale_error(op, "finite and > 0 in float32, which the arithmetic is done in",
+                           f"{f!r}, which becomes {f32!r} in float32")
+    return f
+
+
+def _per_head_shape(s: torch.Tensor, like: torch.Tensor, head_dim: int | None, op: str) -> list[int]:
+    """The shape that lays a per-head scale along ``like``'s ``head_dim`` axis, one entry per head."""
+    if head_dim is None:
+        raise _scale_error(op, "a float or a 0-d tensor when head_dim is None (pass head_dim=, the "
+                           "axis a per-head scale's entries apply to)",
+                           f"a 1-d tensor of {s.numel()} entries")
+    if not (isinstance(head_dim, int) and -like.dim() <= head_dim < like.dim()):
+        from hal.validate import ArgumentError
+        raise ArgumentError(f"hal.fp8.{op}: head_dim must be an axis of {'x' if op == 'encode' else 'q'} (-{like.dim()} .. "
+                            f"{like.dim() - 1} for a {like.dim()}-d tensor); got {head_dim!r}")
+    heads, x = like.shape[head_dim], "x" if op == "encode" else "q"
+    if s.numel() != heads:
+        raise _scale_error(op, f"a per-head tensor of {x}.shape[{head_dim}] = {heads} entries (one per "
+                           f"head along head_dim={head_dim}, for {x} of shape {tuple(like.shape)})",
+                           f"{s.numel()} entr{'y' if s.numel() == 1 else 'ies'}")
+    shape = [1] * like.dim()
+    shape[head_dim] = -1
+    return shape
+
+
+def _check_values(s: torch.Tensor, op: str) -> None:
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if not bool(bad.any()):
+        return
+    if s.numel() == 1:
+        raise _scale_error(op, "finite and > 0", f"{float(s)!r} (in float32)")
+    head = int(bad.flatten().nonzero()[0])
+    raise _scale_error(op, "finite and > 0 for every head", f"{s.flatten().tolist()} (head {head} is "
+                       f"{float(s.flatten()[head])!r} in float32)")
 
 
 def encode(x: torch.Tensor, dtype: torch.dtype | Encoding, scale=1.0, *, head_dim: int | None = None) -> torch.Tensor:
     """``encode(saturate(x / scale))`` as a tensor of ``dtype`` (a torch float8 dtype).
 
-    ``scale`` is a float, a 0-d tensor, or a 1-d per-head tensor broadcast along ``head_dim``.
-    ``x / scale`` is computed in float32 (IEEE division), as the kernels do.
+    ``scale`` is a float, a 0-d tensor, or a 1-d per-head tensor with one entry per index of x's
+    ``head_dim`` axis (``x.shape[head_dim]`` entries), broadcast along it. ``x / scale`` is computed
+    in float32 (IEEE division), as the kernels do. A scale that is not finite and > 0 in float32,
+    or a per-head scale of another length, is a :class:`hal.ArgumentError` naming ``scale``
+    (tensor values are checked on the CPU always, on a device only under HAL_DEBUG=1: a sync).
     """
     enc = encoding_of(dtype)
-    s = _as_scale_tensor(scale, x, head_dim)
+    s = _as_scale_tensor(scale, x, head_dim, "encode")
     # A tensor divisor: with a Python float, CUDA torch multiplies by the reciprocal instead of dividing.
     q = x.to(torch.float32) / torch.as_tensor(s, dtype=torch.float32, device=x.device)
     return encode_bytes(q, enc).view(enc.dtype)
@@ -237,10 +313,11 @@ def encode(x: torch.Tensor, dtype: torch.dtype | Encoding, scale=1.0, *, head_di
 
 def decode(q: torch.Tensor, scale=1.0, out_dtype: torch.dtype = torch.float32, *,
            head_dim: int | None = None) -> torch.Tensor:
-    """``decode(byte) * scale`` for a float8 tensor, in float32, then cast to ``out_dtype``."""
+    """``decode(byte) * scale`` for a float8 tensor, in float32, then cast to ``out_dtype``;
+    ``scale`` and ``head_dim`` as in :func:`encode`, checked the same way."""
     encoding_of(q.dtype)  # a clear error for non-FP8 input
     values = decode_values(q)
-    s = _as_scale_tensor(scale, values, head_dim)
+    s = _as_scale_tensor(scale, values, head_dim, "decode")
     return (values * s).to(out_dtype)
 
 

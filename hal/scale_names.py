@@ -20,10 +20,13 @@ checkpoint costs a few kilobytes of reads.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 import pathlib
 import re
+import stat
 from collections.abc import Callable
 
 import torch
@@ -187,10 +190,44 @@ def _kind(x) -> str:
 
 
 def read(source: pathlib.Path, **kw) -> Found:
-    """Find what kind of source ``source`` is and read it."""
-    if not source.exists():
-        raise KVScaleError(f"{source}: no such file or directory (expected a JSON scale file, a "
-                           f".safetensors file or a checkpoint directory)")
+    """Find what kind of source ``source`` is and read it. A path that cannot be read (a symlink
+    loop, no permission) is a :class:`KVScaleError` naming it, never a bare OSError."""
+    try:
+        return _read(source, **kw)
+    except OSError as exc:
+        raise KVScaleError(_os_problem(exc, source)) from None
+
+
+def _os_problem(exc: OSError, source: pathlib.Path) -> str:
+    path = exc.filename if exc.filename is not None else source
+    problem = exc.strerror or type(exc).__name__
+    if exc.errno == errno.ELOOP:
+        problem = (f"a symlink loop ({problem}): following its links never reaches a file; expected "
+                   f"a file or a link to one")
+    elif isinstance(exc, PermissionError):
+        problem = f"cannot be read ({problem})"
+    else:
+        problem = f"cannot be read ({problem}, errno {exc.errno})"
+    inside = "" if pathlib.Path(path) == source else f" (reading KV scales from {source})"
+    return f"{path}: {problem}{inside}"
+
+
+def _is_file(path: pathlib.Path) -> bool:
+    """``path.is_file()``, except that a path that exists but cannot be resolved (a symlink loop) or
+    looked at raises OSError (which :func:`read` reports) instead of passing for absent."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _read(source: pathlib.Path, **kw) -> Found:
+    try:
+        source.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        dangling = f" (a symlink to {os.readlink(source)!r}, which does not exist)" if source.is_symlink() else ""
+        raise KVScaleError(f"{source}: no such file or directory{dangling} (expected a JSON scale file, "
+                           f"a .safetensors file or a checkpoint directory)") from None
     if source.is_file():
         if source.suffix == ".json":
             return _read_json(source, **kw)
@@ -231,12 +268,13 @@ def _read_json(path: pathlib.Path, *, tp_rank: int, tp_size: int | None, num_lay
     """vLLM's schema: ``kv_cache.scaling_factor[tp_rank][layer]`` (string keys), checked as vLLM's
     pydantic validators do (but with any FP8 dtype), plus hal's ``k_/v_scaling_factor`` extension."""
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(), object_pairs_hook=_Object)
     except json.JSONDecodeError as exc:
         raise KVScaleError(f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg} "
                            f"(expected {_SCHEMA})") from None
     except UnicodeDecodeError as exc:
         raise KVScaleError(f"{path}: not a text file ({exc.reason}); expected JSON like {_SCHEMA}") from None
+    _no_repeats(doc, path, "")
     if not isinstance(doc, dict) or not isinstance(doc.get("kv_cache"), dict):
         given = _kind(doc.get("kv_cache")) if isinstance(doc, dict) and "kv_cache" in doc else (
             "no such key" if isinstance(doc, dict) else f"{_kind(doc)} at the top level")
@@ -248,6 +286,7 @@ def _read_json(path: pathlib.Path, *, tp_rank: int, tp_size: int | None, num_lay
         raise KVScaleError(f"{where(path, 'model_type')} the scales are for model type {mt!r}; "
                            f"expected {model_type!r}")
     kv = doc["kv_cache"]
+    _no_repeats(kv, path, "kv_cache.")
     if "dtype" not in kv:
         raise KVScaleError(f"{where(path, 'kv_cache.dtype')} missing; expected the FP8 encoding the scales "
                            f"were calibrated for, e.g. \"float8_e4m3fn\"")
@@ -295,13 +334,40 @@ def _read_json(path: pathlib.Path, *, tp_rank: int, tp_size: int | None, num_lay
     return found
 
 
+class _Object(dict):
+    """A JSON object that keeps its key-value pairs as written: ``json.loads`` lets the last of two
+    equal keys win, silently; the readers refuse repeats (:func:`_no_repeats`, :func:`_int_keys`)."""
+
+    def __init__(self, pairs):
+        super().__init__(pairs)
+        self.pairs = pairs
+
+
+def _no_repeats(obj, path, prefix: str) -> None:
+    """A key written twice in ``obj`` (the top level, or ``kv_cache``) is an error naming it."""
+    seen = set()
+    for k, _ in getattr(obj, "pairs", ()):
+        if k in seen:
+            where_ = f"the {prefix.rstrip('.')} object" if prefix else "the top-level object"
+            raise KVScaleError(f"{where(path, prefix + k)} appears twice in {where_}; expected each key "
+                               f"once (JSON readers keep the last one, silently)")
+        seen.add(k)
+
+
 def _int_keys(table, path, key: str, what: str) -> dict[int, tuple[str, object]]:
+    """``table``'s entries by the number each key names (``"0"``; ``"00"`` is 0 too): a number named
+    twice, by the same key or by two spellings of it, is an error naming the second key."""
     if not isinstance(table, dict):
         raise KVScaleError(f"{where(path, key)} expected an object keyed by {what}; got {_kind(table)}")
     out = {}
-    for k, val in table.items():
+    for k, val in getattr(table, "pairs", table.items()):
         if not (k.isascii() and k.isdigit()):
             raise KVScaleError(f"{where(path, key)} expected {what} keys like \"0\"; got {k!r}")
+        if int(k) in out:
+            first = out[int(k)][0]
+            also = "" if first == k else f" (also as {json.dumps(first)})"
+            raise KVScaleError(f'{where(path, f"{key}[{json.dumps(k)}]")} {what} {int(k)} appears twice{also}; '
+                               f"expected each {what} once (JSON readers keep the last one, silently)")
         out[int(k)] = (k, val)
     return out
 
@@ -395,12 +461,13 @@ def _scale_keys_by_file(directory: pathlib.Path, shards, index) -> dict[pathlib.
             if match(key) is None and not is_scale_like(key):
                 continue
             path = directory / str(shard)
-            if not path.is_file():
+            if not _is_file(path):
                 raise KVScaleError(f"{where(index, key)} the index puts it in shard {shard!r}, which "
                                    f"does not exist in {directory}")
             out.setdefault(path, []).append(key)
         return out
     for file in shards:
+        file.stat()  # a symlink loop: an OSError that read() names, not safetensors' "no such file"
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 keys = list(f.keys())
@@ -430,7 +497,7 @@ def _config_model_type(directory: pathlib.Path, model_type: str | None) -> str |
     """The model type in the checkpoint's config.json, checked against ``model_type`` (a multimodal
     config may match through its ``text_config``). No config.json: nothing to check."""
     cfg = directory / "config.json"
-    if not cfg.is_file():
+    if not _is_file(cfg):
         return None
     try:
         doc = json.loads(cfg.read_text())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import hal
 from hal import fp8
 from hal.targets import parse
 
@@ -161,3 +162,96 @@ def test_kv_cache_dtype_strings():
     assert fp8.kv_cache_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp9'"):
         fp8.kv_cache_dtype("fp9")
+
+
+# -- scale arguments ------------------------------------------------------------------------------
+X = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(3))  # [tokens, heads, head_size]
+
+
+@pytest.mark.parametrize("scale,problem", [
+    (0.0, "got 0.0"), (-0.5, "got -0.5"), (math.nan, "got nan"), (math.inf, "got inf"), (-math.inf, "got -inf"),
+    (1e39, "1e+39, which becomes inf in float32"), (1e-50, "1e-50, which becomes 0.0 in float32"),
+    (torch.tensor(0.0), "got 0.0"), (torch.tensor(-2.0), "got -2.0"), (torch.tensor(math.nan), "got nan"),
+    (torch.tensor(1e39, dtype=torch.float64), "got inf (in float32)"),
+], ids=repr)
+@pytest.mark.parametrize("fn", ["encode", "decode"])
+def test_bad_scale_is_refused_naming_scale(fn, scale, problem):
+    """A zero scale used to saturate every value silently (x / 0 = inf); NaN, inf and negative ones
+    are as wrong, and so is a float that float32 (what the division is done in) cannot hold."""
+    q = fp8.encode(X, torch.float8_e4m3fn)
+    with pytest.raises(hal.ArgumentError) as e:
+        fp8.encode(X, torch.float8_e4m3fn, scale) if fn == "encode" else fp8.decode(q, scale)
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert f"hal.fp8.{fn}: scale must be finite and > 0" in msg and problem in msg, msg
+
+
+@pytest.mark.parametrize("fn", ["encode", "decode"])
+def test_bad_per_head_scale_is_refused_naming_the_head(fn):
+    s = torch.tensor([0.5, 0.0, 2.0])
+    q = fp8.encode(X, torch.float8_e4m3fn)
+    with pytest.raises(hal.ArgumentError) as e:
+        fp8.encode(X, torch.float8_e4m3fn, s, head_dim=1) if fn == "encode" else fp8.decode(q, s, head_dim=1)
+    assert "scale must be finite and > 0" in str(e.value) and "head 1" in str(e.value)
+    assert "[0.5, 0.0, 2.0]" in str(e.value)
+
+
+@pytest.mark.parametrize("length", [1, 2, 4, 8])
+def test_per_head_scale_of_the_wrong_length(length):
+    """A per-head scale has one entry per index of x's head_dim axis; any other length (even one
+    that torch would broadcast, like 1, or one that matches another axis) is named, not broadcast."""
+    with pytest.raises(hal.ArgumentError) as e:
+        fp8.encode(X, torch.float8_e4m3fn, torch.full((length,), 0.5), head_dim=1)
+    msg = str(e.value)
+    assert "hal.fp8.encode: scale" in msg and "3 entries" in msg and "x.shape[1]" in msg, msg
+    assert f"got {length} entr" in msg, msg
+
+
+def test_per_head_scale_needs_head_dim():
+    with pytest.raises(hal.ArgumentError) as e:
+        fp8.encode(X, torch.float8_e4m3fn, torch.full((3,), 0.5))
+    assert "head_dim" in str(e.value) and "3 entries" in str(e.value)
+    with pytest.raises(hal.ArgumentError, match="head_dim must be"):
+        fp8.encode(X, torch.float8_e4m3fn, torch.full((3,), 0.5), head_dim=3)
+    with pytest.raises(hal.ArgumentError, match=r"a 1-d per-head tensor; got a tensor of shape \(5, 3, 1\)"):
+        fp8.encode(X, torch.float8_e4m3fn, torch.full((5, 3, 1), 0.5))
+
+
+def test_good_scales_still_work():
+    for s in (0.5, torch.tensor(0.5), torch.tensor([0.5]), torch.tensor(0.5, dtype=torch.float64)):
+        assert torch.equal(fp8.encode(X, torch.float8_e4m3fn, s).view(torch.uint8),
+                           fp8.encode_bytes(X / 0.5, torch.float8_e4m3fn))
+    s = torch.tensor([0.5, 0.25, 2.0])
+    assert torch.equal(fp8.encode(X, torch.float8_e4m3fn, s, head_dim=-2).view(torch.uint8),
+                       fp8.encode_bytes(X / s.view(1, 3, 1), torch.float8_e4m3fn))
+
+
+def test_scale_values_on_a_device_are_checked_only_under_hal_debug(monkeypatch):
+    """Reading a device tensor's values is a sync: without HAL_DEBUG only shapes are checked there.
+    A meta tensor stands in for a GPU one: it has a shape but no values, so reading any fails."""
+    monkeypatch.delenv("HAL_DEBUG", raising=False)
+    like = torch.empty(5, 3, 8, device="meta")
+    assert fp8._as_scale_tensor(torch.empty(3, device="meta"), like, 1, "encode").shape == (1, 3, 1)
+    with pytest.raises(hal.ArgumentError, match="3 entries"):  # shapes are still checked
+        fp8._as_scale_tensor(torch.empty(4, device="meta"), like, 1, "encode")
+    monkeypatch.setenv("HAL_DEBUG", "1")
+    with pytest.raises((NotImplementedError, RuntimeError)):  # now it does read the values
+        fp8._as_scale_tensor(torch.empty(3, device="meta"), like, 1, "encode")
+
+
+@pytest.mark.gpu
+def test_scale_checks_do_not_sync_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("HAL_DEBUG", raising=False)
+    x = X.cuda()
+    s, s0, bad = (torch.tensor(v, device="cuda") for v in ([0.5, 0.25, 2.0], 0.5, [0.5, 0.0, 2.0]))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # made before: copying a host value to the GPU syncs
+    try:
+        fp8._as_scale_tensor(s, x, 1, "encode")
+        fp8._as_scale_tensor(s0, x, None, "encode")
+        fp8._as_scale_tensor(bad, x, 1, "encode")  # values unread without HAL_DEBUG
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setenv("HAL_DEBUG", "1")
+    with pytest.raises(hal.ArgumentError, match="head 1"):
+        fp8.encode(x, torch.float8_e4m3fn, bad, head_dim=1)

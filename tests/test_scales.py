@@ -760,3 +760,83 @@ def test_unconverted_e4m3fn_scales_on_an_fnuz_cache_saturate():
         back = fp8.decode(fp8.encode(x, E4M3FNUZ, scale), scale).double()
         within = bool(((back - x.double()).abs() <= u * x.double().abs() + scale * enc.min_subnormal / 2).all())
         assert within == ok
+
+
+# -- hardening: duplicate JSON keys, unreadable paths -----------------------------------------------
+_SF = '"dtype": "float8_e4m3fn", "scaling_factor"'
+
+
+@pytest.mark.parametrize("text,key,problem", [
+    ('{"kv_cache": {%s: {"0": {"0": 0.1, "0": 0.2}}}}' % _SF,
+     """'kv_cache.scaling_factor["0"]["0"]'""", "layer 0 appears twice"),
+    ('{"kv_cache": {%s: {"0": {"0": 0.1, "1": 0.1, "00": 0.2}}}}' % _SF,
+     """'kv_cache.scaling_factor["0"]["00"]'""", "layer 0 appears twice (also as \"0\")"),
+    ('{"kv_cache": {%s: {"0": {"0": 0.1}, "1": {"1": 0.1, "01": 0.2}}}}' % _SF,  # a rank not loaded
+     """'kv_cache.scaling_factor["1"]["01"]'""", "layer 1 appears twice (also as \"1\")"),
+    ('{"kv_cache": {%s: {"0": {"0": 0.1}, "0": {"0": 0.2}}}}' % _SF,
+     """'kv_cache.scaling_factor["0"]'""", "TP rank 0 appears twice"),
+    ('{"kv_cache": {%s: {"0": {"0": 0.1}, "000": {"0": 0.2}}}}' % _SF,
+     """'kv_cache.scaling_factor["000"]'""", "TP rank 0 appears twice (also as \"0\")"),
+    ('{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 0.3}}, '
+     '"k_scaling_factor": {"0": {"0": 0.1, "0": 0.3}}, "v_scaling_factor": {"0": {"0": 0.2}}}}',
+     """'kv_cache.k_scaling_factor["0"]["0"]'""", "layer 0 appears twice"),
+    ('{"kv_cache": {%s: {"0": {"0": 0.1}}, "scaling_factor": {"0": {"0": 0.2}}}}' % _SF,
+     "'kv_cache.scaling_factor'", "appears twice"),
+    ('{"kv_cache": {"dtype": "float8_e4m3fn", "dtype": "float8_e4m3fnuz", "scaling_factor": {"0": {"0": 0.1}}}}',
+     "'kv_cache.dtype'", "appears twice"),
+    ('{"kv_cache": {%s: {"0": {"0": 0.1}}}, "kv_cache": {%s: {"0": {"0": 0.2}}}}' % (_SF, _SF),
+     "'kv_cache'", "appears twice"),
+    ('{"model_type": "llama", "model_type": "qwen2", "kv_cache": {%s: {"0": {"0": 0.1}}}}' % _SF,
+     "'model_type'", "appears twice"),
+], ids=["layer", "layer-0-and-00", "layer-other-rank", "rank", "rank-0-and-000", "k-table-layer",
+        "table", "dtype", "kv_cache", "model_type"])
+def test_json_duplicate_keys_are_refused(tmp_path, text, key, problem):
+    """json.loads lets the last of two equal keys win; "0" and "00" name one layer (or rank) too."""
+    path = _json(tmp_path / "kv.json", text)
+    with pytest.raises(KVScaleError) as e:
+        load_kv_scales(path)
+    _expect(e, path, key, problem, "expected each")
+
+
+def _loop(link):
+    link.symlink_to(link.name)  # a link to itself: resolving it is ELOOP
+    return link
+
+
+@pytest.mark.parametrize("name", ["kv_cache_scales.json", "model.safetensors.index.json", "loop.safetensors"])
+def test_symlink_loop_in_a_checkpoint_directory(tmp_path, name):
+    _ckpt(tmp_path / "model.safetensors")
+    link = _loop(tmp_path / name)
+    with pytest.raises(KVScaleError) as e:
+        load_kv_scales(tmp_path)
+    _expect(e, link, "symlink loop")
+
+
+def test_symlink_loop_as_the_source_or_a_shard_the_index_names(tmp_path):
+    link = _loop(tmp_path / "kv.json")
+    with pytest.raises(KVScaleError) as e:
+        load_kv_scales(link)
+    _expect(e, link, "symlink loop")
+    link.unlink()
+    _loop(tmp_path / "model-00001-of-00001.safetensors")
+    _json(tmp_path / "model.safetensors.index.json",
+          {"weight_map": {"model.layers.0.self_attn.k_scale": "model-00001-of-00001.safetensors"}})
+    with pytest.raises(KVScaleError) as e:
+        load_kv_scales(tmp_path)
+    _expect(e, "model-00001-of-00001.safetensors", "symlink loop")
+
+
+def test_symlink_loop_config_json_is_not_skipped_when_model_type_is_checked(tmp_path):
+    _ckpt(tmp_path / "model.safetensors")
+    link = _loop(tmp_path / "config.json")
+    with pytest.raises(KVScaleError) as e:
+        load_kv_scales(tmp_path, model_type="llama")
+    _expect(e, link, "symlink loop")
+
+
+def test_broken_symlink_source_says_where_it_points(tmp_path):
+    link = tmp_path / "kv.json"
+    link.symlink_to("gone.json")
+    with pytest.raises(KVScaleError) as e:
+        load_kv_scales(link)
+    _expect(e, link, "no such file", "'gone.json'")

@@ -125,3 +125,32 @@ def test_tools_shim_runs_without_installing(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "calibrated for e4m3fn" in run.stdout
     assert os.access(ROOT / "tools" / "scales", os.X_OK)
+
+
+def _one_line_error(capsys, *parts):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for p in parts:
+        assert str(p) in err, f"{p!r} not in: {err}"
+
+
+def test_symlink_loop_in_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    _ckpt(tmp_path / "model.safetensors")
+    (tmp_path / "kv_cache_scales.json").symlink_to("kv_cache_scales.json")
+    assert main(["inspect", str(tmp_path)]) == 1
+    _one_line_error(capsys, tmp_path / "kv_cache_scales.json", "symlink loop")
+
+
+def test_convert_into_a_missing_folder_is_refused(tmp_path, capsys):
+    src = _ckpt(tmp_path / "m.safetensors")
+    out = tmp_path / "missing" / "deeper" / "o.json"
+    assert main(["convert", str(src), "--to-json", str(out)]) == 1
+    _one_line_error(capsys, "--to-json", tmp_path / "missing" / "deeper", "does not exist")
+    assert not (tmp_path / "missing").exists()  # not created
+
+
+def test_convert_to_an_unwritable_path_is_a_one_line_error(tmp_path, capsys):
+    src = _ckpt(tmp_path / "m.safetensors")
+    (tmp_path / "adir").mkdir()
+    assert main(["convert", str(src), "--to-json", str(tmp_path / "adir")]) == 1  # a folder, not a file
+    _one_line_error(capsys, tmp_path / "adir")

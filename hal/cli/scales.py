@@ -6,14 +6,17 @@
 ``inspect`` prints one row per layer and flags what usually means a calibration went wrong: 1.0
 everywhere (uncalibrated defaults), k and v identical in every layer (a legacy single scale, or a
 copy), and layers far from the median. ``convert`` loads any source :func:`hal.load_kv_scales`
-reads, converts to ``--encoding`` (e4m3fn -> e4m3fnuz doubles the scales) and writes vLLM's schema.
-Exit status: 0 on success, 1 when the scales do not load (the error says why), 2 for bad usage.
+reads, converts to ``--encoding`` (e4m3fn -> e4m3fnuz doubles the scales) and writes vLLM's schema;
+OUT's folder must exist (it is not created). Every error is one line on stderr.
+Exit status: 0 on success, 1 when the scales do not load or OUT cannot be written (the error says why),
+2 for bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import pathlib
 import statistics
 import sys
 
@@ -101,12 +104,29 @@ def _inspect(scales: KVScales, console: Console) -> None:
         console.print(f"[yellow]warning:[/] {line}")
 
 
+def _output_problem(out: str) -> str | None:
+    """Why ``--to-json OUT`` cannot be written, before anything is loaded; None if it can be tried.
+    A missing folder is refused, not created: a mistyped path should not grow a directory tree."""
+    path = pathlib.Path(out).expanduser()
+    folder = path.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        return (f"--to-json {out}: the folder {folder} {what}; expected an existing folder "
+                f"(hal-scales does not create folders: mkdir -p it first)")
+    if path.is_dir():
+        return f"--to-json {out}: {path} is a folder; expected the path of the JSON file to write"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Console()
     err = Console(stderr=True)
     with hal_log_to(err, level=logging.INFO, show_time=False):
         try:
+            problem = _output_problem(args.to_json) if args.command == "convert" else None
+            if problem:
+                raise KVScaleError(problem)
             scales = load_kv_scales(args.source, num_layers=args.num_layers, tp_rank=args.tp_rank,
                                     tp_size=args.tp_size, model_type=args.model_type, on_missing=args.on_missing)
             if args.command == "inspect":
@@ -118,8 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 out.print(f"wrote {args.to_json}: {len(target)} layers for {target.encoding.name}{note}")
             return 0
         except (KVScaleError, ValueError, TypeError) as exc:
-            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
-            return 1
+            return _error(err, str(exc))
+        except OSError as exc:  # writing --to-json (the loader reports its own as KVScaleError)
+            return _error(err, f"{exc.filename or args.source}: {exc.strerror or exc}")
+
+
+def _error(err: Console, message: str) -> int:
+    err.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # one line, unwrapped
+    return 1
 
 
 if __name__ == "__main__":
