@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hal
-from cases import FEATURES, gpu_tolerance_ok, make_case
+from cases import FEATURES, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
 from hal import registry
 
 CUDA_PRESENT = importlib.util.find_spec("hal.kernelpacks.cuda") is not None
@@ -340,3 +340,29 @@ def test_cache_over_4_gib_and_a_million_tokens():
     emu = hal.paged_attention(q, kc, vc, tables, lens, k_scale=0.01, v_scale=0.01, max_seq_len=L, pack="emu")
     rel = ((out.float() - emu.float()).norm() / emu.float().norm()).item()
     assert torch.isfinite(out.float()).all() and rel <= 5e-3, rel
+
+
+NAN_PLANS = {  # which kernel path a NaN must cross: one CTA, warp rows, split-K with the reduce kernel
+    "one_pass": (dict(seq_lens=[37, 0, 21, 5]), None),
+    "warp_rows": (dict(seq_lens=[37, 0, 21, 5]), {"ctas_per_sm": 1, "waves": 1e-6, "min_partition": 1024,
+                                                   "warp_rows": 1}),
+    "split": (dict(seq_lens=[3000, 0, 2100, 5]), None),
+}
+
+
+@gpu
+@pytest.mark.parametrize("plan", NAN_PLANS)
+@pytest.mark.parametrize("cache", (torch.float8_e4m3fn, torch.bfloat16), ids=str)
+def test_nan_inputs_give_nan_rows_not_zeros(cache, plan):
+    """A NaN in the query, a read key or an ALiBi slope gives NaN rows (the documented formula), on
+    every kernel path; only an empty sequence gives zeros. Unread cache bytes are NaN/inf too."""
+    from hal.kernelpacks.cuda import tuning
+    lens, override = NAN_PLANS[plan]
+    tuning.set_override(override)
+    try:
+        for where, (case, rows) in nan_input_cases(cache_dtype=cache, query_dtype=_query_for(cache), head_size=128,
+                                                   device="cuda", **lens).items():
+            ok, msg = nan_rows_ok(_run(case), case, rows, gpu_tolerance_ok)
+            assert ok, f"{where}: {msg}"
+    finally:
+        tuning.set_override(None)

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import reference
-from cases import FP8, alibi_slopes, make_case
+from cases import FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
 from hal import fp8
 
 try:
@@ -193,6 +193,20 @@ def check_cache_kv(device, dtype, scale_kind, input_dtype=torch.float32) -> None
                                  f"offset {o} dim {e}: got {int(got[b, h, o, e])}, want {int(want[b, h, o, e])}")
 
 
+def check_nan_inputs(device, **over) -> None:
+    """NaN in the query / a read key / an ALiBi slope gives NaN rows; only empty sequences give 0.
+    Two partitions for the longest sequence, so the merge kernel is crossed too."""
+    triton_path, _ = _paths()
+    for where, (case, rows) in nan_input_cases(device=device, **over).items():
+        out = case.poisoned_out()
+        lens = case.seq_lens.cpu()
+        triton_path.paged_attention(out, case.query, case.key_cache, case.value_cache, case.block_tables,
+                                    case.seq_lens, case.query.shape[-1] ** -0.5, case.k_scale, case.v_scale,
+                                    case.kwargs.get("alibi_slopes"), None, None, int(lens.max()))
+        ok, msg = nan_rows_ok(out, case, rows, gpu_tolerance_ok)
+        assert ok, f"{where}: {msg}"
+
+
 # Small cases for the interpreter: each runs in well under a second per kernel launch there.
 INTERPRETER_CHECKS = {
     "attention_e4m3fn_gqa4_two_partitions": lambda: [
@@ -208,6 +222,9 @@ INTERPRETER_CHECKS = {
     "attention_float32_path": lambda: check_attention(
         "cpu", seq_lens=[40, 3, 0], num_heads=6, num_kv_heads=2, head_size=48, block_size=5,
         cache_dtype=torch.float8_e4m3fnuz, query_dtype=torch.float32, scale_as_tensor=True, seed=4),
+    "nan_inputs_one_partition": lambda: check_nan_inputs("cpu", query_dtype=torch.float16, head_size=32),
+    "nan_inputs_two_partitions": lambda: check_nan_inputs("cpu", seq_lens=[600, 0, 21, 5], query_dtype=torch.float16,
+                                                          head_size=32),
     "decode_all_bytes": lambda: check_decode_all_bytes("cpu"),
     **{f"cache_kv_{str(dt).removeprefix('torch.')}": (lambda dt=dt: [
         check_cache_kv("cpu", dt, "float"), check_cache_kv("cpu", dt, "per_head"),
@@ -511,3 +528,10 @@ def test_gpu_no_sync_and_cuda_graph_capture():
     written = kc.view(torch.uint8)[0, :, 3]
     expect = fp8.encode_bytes(key[0].cpu().float() / case.k_scale.cpu().reshape(-1, 1), kc.dtype)
     assert torch.equal(written.cpu(), expect), "cache_kv did not replay"
+
+
+@gpu_test
+@pytest.mark.parametrize("lens", ([37, 0, 21, 5], [3000, 0, 2100, 5]), ids=("direct", "partitions"))
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+def test_gpu_nan_inputs_give_nan_rows_not_zeros(cache_dtype, lens):
+    check_nan_inputs("cuda", seq_lens=lens, cache_dtype=cache_dtype, query_dtype=_query_dtype(cache_dtype))

@@ -20,7 +20,7 @@ import torch
 
 import hal
 import reference
-from cases import FP8, alibi_slopes, gpu_tolerance_ok, make_case
+from cases import FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
 from hal.kernelpacks.rocm import build, emulator, kernels, ops, pack, testing
 
 CSRC = str(pathlib.Path(__file__).resolve().parents[1] / "packs" / "rocm" / "csrc")
@@ -152,6 +152,17 @@ def test_all_empty_and_max_seq_len():
     out, be = rocm_attention(em, case, max_seq_len=1024)  # host bound above the real lengths: 4 partitions
     assert be.launches[0][1][1] == 4
     assert gpu_tolerance_ok(out, case.reference())[0]
+
+
+@pytest.mark.parametrize("lens", ([37, 0, 21, 5], [600, 0, 300, 5]), ids=("one_partition", "partitions"))
+def test_nan_inputs_give_nan_rows_not_zeros(emu, lens):
+    """A NaN in the query, a read key or an ALiBi slope gives NaN rows, through one partition and
+    through the reduce kernel; only an empty sequence gives zeros. Unread cache bytes are NaN/inf."""
+    for where, (case, rows) in nan_input_cases(seq_lens=lens, cache_dtype=torch.float8_e4m3fnuz,
+                                               query_dtype=torch.bfloat16).items():
+        out, _ = rocm_attention(emu, case, **case.kwargs)
+        ok, msg = nan_rows_ok(out, case, rows, gpu_tolerance_ok)
+        assert ok, f"{emu.arch} {where}: {msg}"
 
 
 def test_interleavings_do_not_change_a_bit():

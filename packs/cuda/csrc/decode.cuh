@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
           if (r >= rows) continue;
           const int d = LY::vdim(g, 2 * mt + (c >> 1));
           const float lsum = l[nh][c & 1];
-          const float val = lsum > 0.f ? o[nh][mt][c] / lsum : 0.f;
+          const float val = lsum == 0.f ? 0.f : o[nh][mt][c] / lsum;  // 0: empty; NaN stays NaN
           const int h = head0 + r;
           if (!split) {
             const float x = val * vs;
@@ -467,8 +467,11 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][r]);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) Lsum += sm_m[w][r] == -INFINITY ? 0.f : sm_l[w][r] * fast_exp2(sm_m[w][r] - M);
-    const float val = Lsum > 0.f ? so[r][d] / Lsum : 0.f;
+    // A warp whose max stayed -inf saw no finite logit: its sum is 0 (no token) or NaN (every
+    // logit NaN), and l * 0 keeps exactly that. Only an empty range gives Lsum == 0 (zeros).
+    for (int w = 0; w < kWarps; ++w)
+      Lsum += sm_m[w][r] == -INFINITY ? sm_l[w][r] * 0.f : sm_l[w][r] * fast_exp2(sm_m[w][r] - M);
+    const float val = Lsum == 0.f ? 0.f : so[r][d] / Lsum;
     const int h = head0 + r;
     if (!split) {
       const float x = val * vs;

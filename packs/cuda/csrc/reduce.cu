@@ -19,7 +19,8 @@ __global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
   float wsum = 0.f;
   for (int q = pa; q < pb; ++q) {
     const float m = p.part_ml[2 * (base + q)];
-    wsum += m == -INFINITY ? 0.f : p.part_ml[2 * (base + q) + 1] * fast_exp2(m - M);
+    // m == -inf: the partition saw no finite logit, so its sum is NaN (keep it) or 0
+    wsum += m == -INFINITY ? p.part_ml[2 * (base + q) + 1] * 0.f : p.part_ml[2 * (base + q) + 1] * fast_exp2(m - M);
   }
   const int kvh = h / p.gqa;
   const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
       if (m == -INFINITY) continue;
       acc += p.part_ml[2 * (base + q) + 1] * fast_exp2(m - M) * p.part_out[(base + q) * D + d];
     }
-    const float x = wsum > 0.f ? acc / wsum * vs : 0.f;
+    const float x = wsum == 0.f ? 0.f : acc / wsum * vs;  // 0 only for an empty sequence; NaN stays NaN
     const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
     if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
     else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
