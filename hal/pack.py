@@ -129,9 +129,15 @@ class Pack:
     def _probe(self) -> Availability:
         raise NotImplementedError
 
+    def supports(self, target: Target | None = None) -> Mapping[str, OpSupport]:
+        """The declaration per op for ``target``: what dispatch checks and hal-probe shows. Packs
+        whose rules differ per arch (rocm: gfx90a vs gfx942) override this; the default is
+        ``SUPPORTS``."""
+        return self.SUPPORTS
+
     def reasons(self, key: CallKey, target: Target) -> list[str]:
         """Why this pack cannot serve ``key`` on ``target`` (input reasons only)."""
-        support = self.SUPPORTS.get(key.op)
+        support = self.supports(target).get(key.op)
         if support is None:
             return [f"op {key.op} is not implemented by the {self.NAME} pack"]
         return support.reasons(key)

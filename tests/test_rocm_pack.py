@@ -11,7 +11,6 @@ thing on an AMD Instinct GPU, which skips elsewhere with the pack's own reasons.
 from __future__ import annotations
 
 import ctypes
-import logging
 import pathlib
 import shutil
 import subprocess
@@ -47,6 +46,19 @@ def test_declaration_per_arch():
     assert s942.max_gqa_ratio is None and s942.devices == {"cuda"}
     assert s942.features == {"alibi", "soft_cap", "sliding_window", "per_head_scales"}  # not misaligned caches
     assert ROCM.VENDORS == {"rocm"} and ROCM.SUPPORTS["paged_attention"] == s942
+
+
+@pytest.mark.parametrize("arch,declared", [("gfx90a", "gfx90a"), ("gfx942", "gfx942"), ("gfx950", "gfx950"),
+                                           ("gfx1100", "gfx942"), ("sm_90", "gfx942"), ("cpu", "gfx942")])
+def test_one_declaration_per_target(arch, declared):
+    """supports(target) is the declaration dispatch checks (and hal-probe shows) for that target."""
+    t = parse(arch)
+    assert pack.declared_arch(t) == declared and ROCM.supports(t) is pack.supports_for(declared)
+    for cache in (*pack.HALF, *pack.FP8.values()):
+        query = cache if cache in pack.HALF else torch.bfloat16
+        for op, support in ROCM.supports(t).items():
+            key = CallKey(op, "cuda", query, cache, 128, 16, 8)
+            assert (ROCM.reasons(key, t) == []) == (cache in support.cache_dtypes), (op, cache)
 
 
 def test_e4m3fn_refused_on_gfx942_with_how_to_convert():
@@ -91,7 +103,7 @@ def test_tuning_table():
 # ---------------------------------------------------------------------------------------------------
 # dispatch with HAL_TARGET=gfx942 on this machine
 
-def test_hal_target_gfx942_tries_rocm_and_says_why_not(monkeypatch, caplog):
+def test_hal_target_gfx942_tries_rocm_and_says_why_not(monkeypatch):
     monkeypatch.setenv("HAL_TARGET", "gfx942")
     case = make_case(seq_lens=[5, 9], head_size=128, cache_dtype=torch.float8_e4m3fnuz)
     text = hal.explain(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
@@ -100,10 +112,9 @@ def test_hal_target_gfx942_tries_rocm_and_says_why_not(monkeypatch, caplog):
     if not torch.version.hip:
         assert "not a ROCm build" in text
     assert "`emu` selected (fallback)" in text
-    with caplog.at_level(logging.WARNING, logger="hal"):
+    with pytest.warns(hal.FallbackWarning, match=r"falls back .*rocm:"):
         hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                             k_scale=case.k_scale, v_scale=case.v_scale)
-    assert any("rocm:" in r.getMessage() for r in caplog.records if "falls back" in r.getMessage())
     monkeypatch.setenv("HAL_STRICT", "1")
     with pytest.raises(hal.NotSupportedError, match="rocm"):
         hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,

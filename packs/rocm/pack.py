@@ -4,7 +4,8 @@
 What it serves depends on the arch, as data (:func:`supports_for`): gfx942 converts e4m3fnuz and
 e5m2fnuz in hardware and is declared for those; an OCP (e4m3fn / e5m2) cache there is refused with how
 to convert it, never reinterpreted. gfx90a has no FP8 instructions and decodes all four encodings
-exactly in software. Proof without AMD hardware: docs/rocm.md.
+exactly in software. :meth:`RocmPack.supports` picks the declaration for a target
+(:func:`declared_arch`); dispatch and hal-probe both read it. Proof without AMD hardware: docs/rocm.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import kernels, tuning
 HERE = pathlib.Path(__file__).resolve().parent
 CODE_OBJECTS = HERE / "codeobjects"
 NATIVE_ARCHS = ("gfx90a", "gfx942")
+DEFAULT_ARCH = "gfx942"                                      # ``SUPPORTS``, and targets with no code here
 FP8 = {"e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz,
        "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 HALF = frozenset({torch.float16, torch.bfloat16})
@@ -40,17 +42,26 @@ _E5M2_ON_GFX942 = (
     "cache dtype float8_e5m2 is OCP FP8, and gfx942 (MI300) converts e5m2fnuz in hardware: the rocm pack "
     "never reads OCP bytes as fnuz. Allocate the cache as torch.float8_e5m2fnuz (hal.fp8.native_e5m2()), "
     "or run this call on the emu pack")
+_OCP_ON_GFX942 = {torch.float8_e4m3fn: _FN_ON_GFX942, torch.float8_e5m2: _E5M2_ON_GFX942}
 
 
 def fp8_dtypes(arch: str) -> frozenset[torch.dtype]:
     return frozenset(FP8[e] for e in kernels.fp8_encodings(arch))
 
 
+def declared_arch(target: Target | None) -> str:
+    """The arch whose declaration applies to ``target``: its own where the pack has code for it
+    (gfx90a, gfx942, gfx950), else gfx942's (what ``SUPPORTS`` holds)."""
+    arch = target.arch if target is not None else None
+    return arch if arch in NATIVE_ARCHS + kernels.OPTIONAL_ARCHS else DEFAULT_ARCH
+
+
 @functools.cache
 def supports_for(arch: str) -> dict[str, OpSupport]:
-    """The declaration for one arch (dispatch uses the target's; ``SUPPORTS`` is gfx942's)."""
+    """The declaration for one arch: the only place the per-arch rules live (the FP8 encodings come
+    from :func:`kernels.fp8_encodings`, which the build uses too)."""
     caches = HALF | fp8_dtypes(arch)
-    notes = {torch.float8_e4m3fn: _FN_ON_GFX942, torch.float8_e5m2: _E5M2_ON_GFX942} if arch in kernels.HW_FP8 else {}
+    notes = {d: why for d, why in _OCP_ON_GFX942.items() if d not in caches} if arch == "gfx942" else {}
     common = dict(cache_dtypes=caches, block_sizes=BLOCK_SIZES, devices=frozenset({"cuda"}), cache_dtype_notes=notes)
     return {
         # 16-byte vector loads: a cache must start, and keep its blocks, on 16-byte boundaries
@@ -94,7 +105,7 @@ class RocmPack(Pack):
     NAME = "rocm"
     DESCRIPTION = "native HIP, MFMA 16x16x16 wave64: AMD Instinct gfx90a (software FP8) and gfx942 (e4m3fnuz/e5m2fnuz)"
     VENDORS = frozenset({"rocm"})
-    SUPPORTS = supports_for("gfx942")
+    SUPPORTS = supports_for(DEFAULT_ARCH)  # for readers with no target; dispatch and the probe use supports()
 
     def __init__(self, code_objects: pathlib.Path = CODE_OBJECTS):
         self.code_objects = code_objects
@@ -119,8 +130,8 @@ class RocmPack(Pack):
                 f"{arch} is not one of them")
 
     def supports(self, target: Target | None = None) -> dict[str, OpSupport]:
-        arch = target.arch if target is not None and target.arch in NATIVE_ARCHS + kernels.OPTIONAL_ARCHS else "gfx942"
-        return supports_for(arch)
+        """The declaration for ``target``: what :meth:`reasons` (dispatch) checks and hal-probe shows."""
+        return supports_for(declared_arch(target))
 
     def reasons(self, key: CallKey, target: Target) -> list[str]:
         support = self.supports(target).get(key.op)
