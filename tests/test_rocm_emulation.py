@@ -20,7 +20,8 @@ import torch
 
 import hal
 import reference
-from cases import FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
+from cases import (FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok, poison_unread,
+                   read_slots)
 from hal.kernelpacks.rocm import build, emulator, kernels, ops, pack, testing
 
 CSRC = str(pathlib.Path(__file__).resolve().parents[1] / "packs" / "rocm" / "csrc")
@@ -224,9 +225,20 @@ def test_million_token_sequence_with_window():
     first = (L - window) // bs
     tables[0, first:] = torch.arange(used - first, dtype=torch.int32) % nb
     case.block_tables, case.seq_lens = tables, torch.tensor([L], dtype=torch.int32)
+    read = read_slots(tables, [L], bs, nb, window)  # the new geometry reads other slots: poison again
+    case.key_cache, case.value_cache = _fresh(case.key_cache), _fresh(case.value_cache)
+    poison_unread(case.key_cache, read)
+    poison_unread(case.value_cache, read)
     out, be = rocm_attention(em, case, sliding_window=window)
     assert be.launches[0][1][1] == 4  # partitions of the window, not of the context
     assert gpu_tolerance_ok(out, case.reference())[0]
+
+
+def _fresh(cache: torch.Tensor) -> torch.Tensor:
+    """Random finite values of ``cache``'s dtype in every slot (before re-poisoning for a new geometry)."""
+    return make_case(seq_lens=[1], num_heads=cache.shape[1], num_kv_heads=cache.shape[1], head_size=cache.shape[3],
+                     block_size=cache.shape[2], cache_dtype=cache.dtype, extra_blocks=cache.shape[0] - 2,
+                     garbage=False, seed=3).key_cache
 
 
 def test_reduce_combines_thousands_of_partitions():
