@@ -14,6 +14,7 @@ VARIABLES = {
     "HAL_PACK": "force a pack by name (emu, cuda, rocm); a forced pack that cannot serve a call raises",
     "HAL_STRICT": "1: a fallback from the target's native pack to emu, or an FP8 cache without scales, is an error",
     "HAL_DEBUG": "1: checks that need a device sync (block-table entries, slots, scale values on GPU)",
+    "HAL_CUDA_ARCHS": "build time (pip install): the cuda pack's archs: all, none, auto or a CMake list (docs/cuda.md)",
 }
 BOOL_VARIABLES = ("HAL_STRICT", "HAL_DEBUG")
 _BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,

@@ -13,6 +13,7 @@ import pathlib
 
 import torch
 
+from hal.kernelpacks.cuda import archs
 from hal.pack import FEATURES, Availability, CallKey, OpSupport, Pack
 from hal.targets import Target
 
@@ -76,8 +77,12 @@ class CudaPack(Pack):
         try:
             _module()
         except ImportError as exc:
-            reasons.append(f"the compiled module is missing ({exc}); it is built by `pip install .` where nvcc "
-                           f"is found")
+            if info.get("built") is False:  # build_info.json says why the build compiled nothing
+                reasons.append(f"the compiled module was not built when hal was installed: "
+                               f"{info.pop('archs_reason', 'no reason recorded')}")
+            else:
+                reasons.append(f"the compiled module is missing ({exc}); it is built by `pip install .` where nvcc "
+                               f"is found")
         if not getattr(torch.version, "cuda", None):
             reasons.append(f"torch {torch.__version__} is not a CUDA build")
         elif not torch.cuda.is_available():
@@ -86,6 +91,10 @@ class CudaPack(Pack):
             major, minor = torch.cuda.get_device_capability()
             if major * 10 + minor < MIN_SM:
                 reasons.append(f"the GPU is sm_{major}{minor}; the cuda pack needs sm_{MIN_SM}+")
+            elif info.get("archs") and not archs.runs_on(str(info["archs"]).split(","), major * 10 + minor):
+                reasons.append(f"the compiled module has no code for this GPU (sm_{major}{minor}): it was built for "
+                               f"{info['archs']} ({info.get('archs_reason', 'no reason recorded')}); reinstall "
+                               f"on this machine, or with HAL_CUDA_ARCHS=all")
             if not reasons:
                 from hal.kernelpacks.cuda.tuning import summary
                 info["tuning"] = summary(f"sm_{major}{minor}")
