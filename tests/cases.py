@@ -241,4 +241,5 @@ def nan_rows_ok(out: torch.Tensor, case: Case, nan_rows, close=tolerance_ok) -> 
         return False, "rows of empty sequences must be exactly 0"
     ref = case.reference()
     keep = ~want_nan
-    return close(out.detach().cpu()[keep].unsqueeze(0), ref[keep.numpy()][None])
+    # ``close`` sees the rows on the output's device (GPU outputs get the GPU tolerance).
+    return close(out.detach()[keep.to(out.device)].unsqueeze(0), ref[keep.numpy()][None])
