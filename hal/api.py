@@ -52,7 +52,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
       with ``logits_soft_cap`` c: ``s_j = c * tanh(s_j / c)``;
       with ALiBi: ``s_j += alibi_slopes[h] * (j - (seq_len - 1))``;
       with ``sliding_window`` w: only keys ``j >= seq_len - w`` take part;
-      ``out = v_scale * sum_j softmax(s)_j v_j``; a sequence of length 0 gives zeros.
+      ``out = v_scale * sum_j softmax(s)_j v_j``; a sequence of length 0 gives zeros (NaN inputs
+      give NaN where they take part).
     ``scale`` defaults to ``head_size ** -0.5``. ``k_scale``/``v_scale``: float, 0-d or
     [num_kv_heads] float32 tensor; None means 1.0 (logged once for an FP8 cache).
     ``max_seq_len``: host-side upper bound on ``seq_lens`` (required during CUDA graph capture).
