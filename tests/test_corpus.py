@@ -4,7 +4,10 @@ on Debian's r-cran-janeaustenr when it is installed (skipped otherwise, with how
 from __future__ import annotations
 
 import gzip
+import pathlib
+import shutil
 import struct
+import subprocess
 import zlib
 
 import pytest
@@ -115,9 +118,56 @@ def test_lazy_load_database_and_book_text(tmp_path):
         corpus.read_rdata(data, "nope")
 
 
-def test_missing_corpus_says_how_to_install(tmp_path):
-    with pytest.raises(corpus.CorpusError, match="apt-get download r-cran-janeaustenr"):
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _install_hint(tmp_path) -> str:
+    with pytest.raises(corpus.CorpusError) as exc:
         corpus.find_janeaustenr(tmp_path)
+    message = str(exc.value)
+    assert "Install it without R: " in message
+    return message.split("Install it without R: ", 1)[1]
+
+
+def test_missing_corpus_says_how_to_install(tmp_path):
+    hint = _install_hint(tmp_path)
+    assert hint.startswith("apt-get download r-cran-janeaustenr && ")
+    # dpkg -x makes only the last folder of its destination: the parent must be made first
+    assert "mkdir -p ~/.cache/hal/janeaustenr && dpkg -x r-cran-janeaustenr_*.deb ~/.cache/hal/janeaustenr" in hint
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb not installed (not a Debian system)")
+def test_install_hint_works_on_a_fresh_home(tmp_path, monkeypatch):
+    """The error's command, after its download step, run on a home without ~/.cache (a fresh
+    machine), with a .deb laid out like r-cran-janeaustenr's: hal then finds the corpus."""
+    pkg = tmp_path / "pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN/control").write_text("Package: r-cran-janeaustenr\nVersion: 1.0.0-1\nArchitecture: all\n"
+                                        "Maintainer: hal tests <tests@example.invalid>\nDescription: test\n")
+    data = pkg / "usr/lib/R/site-library/janeaustenr/data"
+    data.mkdir(parents=True)
+    write_db(data, {"prideprejudice": strsxp(["PRIDE AND PREJUDICE", "", "It is a truth."])})
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg),
+                    str(downloads / "r-cran-janeaustenr_1.0.0-1_all.deb")], check=True, capture_output=True)
+    home = tmp_path / "home"
+    home.mkdir()
+    download, rest = _install_hint(tmp_path / "nowhere").split(" && ", 1)
+    assert download == "apt-get download r-cran-janeaustenr"
+    r = subprocess.run(["bash", "-c", rest], cwd=downloads, env={"HOME": str(home), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"{rest!r} failed on a fresh home: {r.stderr.strip()}"
+    monkeypatch.setenv("HOME", str(home))
+    assert corpus.book_text("pride") == "PRIDE AND PREJUDICE\n\nIt is a truth."
+
+
+def test_docs_give_the_install_step_of_the_error(tmp_path):
+    """README.md ("A real model") and docs/model.md show the same command as the error message."""
+    hint = _install_hint(tmp_path)
+    for doc in ("README.md", "docs/model.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert hint in text, f"{doc} does not give the install step {hint!r}"
 
 
 # --- the real package, when installed --------------------------------------------------------------

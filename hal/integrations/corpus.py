@@ -14,9 +14,12 @@ evaluation text. The format is small and stable:
 list vectors, pairlists, symbols, attributes, references, ALTREP compact sequences); anything else
 is an error naming the type, never a silent skip.
 
-Getting the package (no R needed; documented in docs/model.md)::
+Getting the package (no R needed; documented in docs/model.md; :data:`INSTALL` holds the command)::
 
-    apt-get download r-cran-janeaustenr && dpkg -x r-cran-janeaustenr_*.deb ~/.cache/hal/janeaustenr
+    apt-get download r-cran-janeaustenr && mkdir -p ~/.cache/hal/janeaustenr && dpkg -x r-cran-janeaustenr_*.deb ~/.cache/hal/janeaustenr
+
+(``dpkg -x`` creates only the last folder of its destination: on a fresh machine without
+``~/.cache/hal`` it fails with "failed to create directory" unless the folder is made first.)
 
 A plain text file works everywhere a book does (``hal-eval --text FILE``).
 """
@@ -30,7 +33,7 @@ import re
 import struct
 import zlib
 
-__all__ = ["BOOKS", "CorpusError", "book_text", "find_janeaustenr", "paragraphs", "read_rdata", "unserialize"]
+__all__ = ["BOOKS", "INSTALL", "CorpusError", "book_text", "find_janeaustenr", "paragraphs", "read_rdata", "unserialize"]
 
 # janeaustenr's object names for the six novels (each a character vector, one element per line).
 BOOKS = {
@@ -43,6 +46,11 @@ BOOKS = {
 }
 
 _REL = pathlib.Path("usr/lib/R/site-library/janeaustenr")
+
+# The documented install step (docs/model.md, README.md), also in the error of a missing corpus. The
+# destination is the first of candidates(); mkdir -p because dpkg -x makes only its last folder.
+INSTALL = ("apt-get download r-cran-janeaustenr && mkdir -p ~/.cache/hal/janeaustenr && "
+           "dpkg -x r-cran-janeaustenr_*.deb ~/.cache/hal/janeaustenr")
 
 
 class CorpusError(RuntimeError):
@@ -70,8 +78,7 @@ def find_janeaustenr(root: str | os.PathLike | None = None) -> pathlib.Path:
             return p
     raise CorpusError(
         "janeaustenr not found (looked for data/Rdata.rdx in: " + ", ".join(map(str, looked)) + "). "
-        "Install it without R: apt-get download r-cran-janeaustenr && "
-        "dpkg -x r-cran-janeaustenr_*.deb ~/.cache/hal/janeaustenr")
+        "Install it without R: " + INSTALL)
 
 
 # --------------------------------------------------------------------------- R unserialization

@@ -1,8 +1,10 @@
 """Perplexity and KL divergence of a causal LM on a text, with the KV cache in hal or simulated.
 
 Every variant sees the same token windows ``[windows, length]`` (each window starts with an empty
-cache, its first token is context only), processed chunk by chunk, all variants in lockstep so the
-reference's log-probabilities are needed one chunk at a time (never the whole ``[tokens, vocab]``):
+cache, its first token is context only; :func:`text_windows` starts every window with the
+tokenizer's BOS when the tokenizer puts one before a text, as the model saw in training), processed
+chunk by chunk, all variants in lockstep so the reference's log-probabilities are needed one chunk
+at a time (never the whole ``[tokens, vocab]``):
 
 - ``stock``: the model's own attention (SDPA) with an unquantized (model dtype) cache: the reference;
 - ``hal``: attention through :func:`hal.cache_kv` + :func:`hal.paged_attention` with the cache in
@@ -29,7 +31,7 @@ import torch
 import hal
 from hal.integrations.transformers import ROUNDTRIP_NAME, HalRunner, RoundTrip, using
 
-__all__ = ["Result", "Variant", "evaluate", "make_windows"]
+__all__ = ["Result", "Variant", "bos_token_id", "evaluate", "make_windows", "text_windows"]
 
 log = logging.getLogger("hal")
 
@@ -87,12 +89,50 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.").removeprefix("float8_")
 
 
-def make_windows(ids: torch.Tensor, num: int, length: int, what: str = "text") -> torch.Tensor:
-    """The first ``num * length`` tokens as ``[num, length]`` non-overlapping windows."""
+def make_windows(ids: torch.Tensor, num: int, length: int, what: str = "text",
+                 bos_token_id: int | None = None) -> torch.Tensor:
+    """``[num, length]`` non-overlapping windows of the token ids ``ids``: the first ``num * length``
+    tokens; with ``bos_token_id``, each window is that BOS followed by the next ``length - 1`` text
+    tokens (a BOS already leading ``ids`` is not counted as text)."""
     ids = ids.reshape(-1)
-    if ids.numel() < num * length:
-        raise ValueError(f"{what}: {ids.numel()} tokens, fewer than {num} windows x {length}")
-    return ids[: num * length].reshape(num, length)
+    if bos_token_id is None:
+        if ids.numel() < num * length:
+            raise ValueError(f"{what}: {ids.numel()} tokens, fewer than {num} windows x {length}")
+        return ids[: num * length].reshape(num, length)
+    if length < 2:
+        raise ValueError(f"make_windows: length must be >= 2 with a BOS (the BOS and one text token); got {length}")
+    if ids.numel() and int(ids[0]) == bos_token_id:
+        ids = ids[1:]
+    body = length - 1
+    if ids.numel() < num * body:
+        raise ValueError(f"{what}: {ids.numel()} tokens, fewer than {num} windows x {body} (each window also "
+                         f"gets a BOS)")
+    bos = torch.full((num, 1), bos_token_id, dtype=ids.dtype, device=ids.device)
+    return torch.cat([bos, ids[: num * body].reshape(num, body)], dim=1)
+
+
+def bos_token_id(tok) -> int | None:
+    """The BOS id ``tok`` puts before every text it encodes, or None when it adds none (SmolLM2's).
+
+    Found by encoding a probe with and without special tokens, not from ``tok.add_bos_token``: a
+    tokenizer whose post-processor adds the BOS may report False there (transformers 5)."""
+    bos = getattr(tok, "bos_token_id", None)
+    if bos is None:
+        return None
+    special = list(tok("a").input_ids)
+    plain = list(tok("a", add_special_tokens=False).input_ids)
+    return bos if special[:1] == [bos] and plain[:1] != [bos] else None
+
+
+def text_windows(tok, text: str, num: int, length: int, what: str = "text") -> torch.Tensor:
+    """``text`` tokenized by ``tok`` as ``[num, length]`` windows the way the model expects each one to
+    start: with the BOS when the tokenizer adds one (a window without it is not what the model saw in
+    training: the hardening issue measured Gemma-3's perplexity of a second 1024-token window at
+    44.2 without its BOS, 23.7 with it), else plain consecutive tokens."""
+    bos = bos_token_id(tok)
+    if bos is not None:
+        log.info("hal-eval: %s: every window starts with the tokenizer's BOS (id %d)", what, bos)
+    return make_windows(tok(text, return_tensors="pt").input_ids, num, length, what, bos_token_id=bos)
 
 
 def _cache_keyword(model) -> str:

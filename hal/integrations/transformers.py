@@ -34,7 +34,7 @@ import hal
 from hal.integrations.paged_cache import PagedKVCache
 
 __all__ = ["ATTENTION_NAME", "ROUNDTRIP_NAME", "HalRunner", "RoundTrip", "calibrate", "hal_attention",
-           "register", "roundtrip_attention", "using"]
+           "register", "roundtrip_attention", "stock_greedy", "using"]
 
 log = logging.getLogger("hal")
 ATTENTION_NAME = "hal"
@@ -226,6 +226,26 @@ class HalRunner:
             hidden = self.step(cache, [sids[i] for i in active], [[out[i][-1]] for i in active])
             logits = self.logits(hidden[:, -1])
         return out
+
+
+@torch.no_grad()
+def stock_greedy(model, prompts: list[list[int]], max_new_tokens: int = 32, *, eos_token_id=None) -> list[list[int]]:
+    """The reference for :meth:`HalRunner.generate`: greedy new tokens for each prompt from the model's
+    own attention and cache (``model.generate``, one prompt at a time, so no padding enters), stopping
+    after ``eos_token_id`` like the runner does (the EOS is the last token). Plain greedy: a generation
+    config of its own, so none of the model's defaults (sampling, repetition penalty) applies."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None,
+                              pad_token_id=eos[0] if eos else 0)
+    out = []
+    for p in prompts:
+        ids = torch.tensor([list(p)], device=device)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        out.append(seq[0, ids.shape[1]:].tolist())
+    return out
 
 
 def _pad(rows: list[list[int]], pad: int = 0) -> torch.Tensor:
