@@ -1,36 +1,14 @@
-"""The public calls. Thin: they fill defaults, split scales into the op's float/tensor slots and
-call the registered torch ops (which validate and dispatch). Kept free of logging and caches so
+"""The public calls. Thin: each passes its keywords to its op's declaration (:mod:`hal.ops`), which
+checks the Python numbers, fills defaults, splits scales into the op's float/tensor slots and calls
+the registered torch op (which validates, dispatches and runs). Kept free of logging and caches so
 ``torch.compile(fullgraph=True)`` traces them without a graph break."""
 
 from __future__ import annotations
 
 import torch
 
-from hal import dispatch, validate
-from hal import ops as _ops  # noqa: F401  (registers torch.ops.hal.*)
-
-
-def _split_scale(op: str, name: str, s):
-    """A scale goes to the op's tensor slot or its float slot (validated there)."""
-    if s is None:
-        return None, None
-    if isinstance(s, torch.Tensor):
-        return None, s
-    return validate.real(op, name, s, "a float or a float32 tensor"), None
-
-
-def _host_args(op: str, query, scale, logits_soft_cap, sliding_window, max_seq_len):
-    """The Python-number arguments, checked before torch's schema would coerce them (True -> 1)."""
-    validate.tensor(op, "query", query)
-    if scale is None:  # head_size 0 (or a 0-d query) is reported by validation, not as a ZeroDivisionError
-        scale = query.shape[-1] ** -0.5 if query.dim() and query.shape[-1] > 0 else 1.0
-    else:
-        scale = validate.real(op, "scale", scale, "a finite float > 0 (or None for head_size**-0.5)")
-    if logits_soft_cap is not None:
-        logits_soft_cap = validate.real(op, "logits_soft_cap", logits_soft_cap, "None or a finite float > 0")
-    validate.integer(op, "sliding_window", sliding_window, 1, "no window; else keys at positions >= seq_len - window")
-    validate.integer(op, "max_seq_len", max_seq_len, 0, "read from seq_lens")
-    return scale, logits_soft_cap
+from hal import dispatch
+from hal import ops as _ops
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -55,20 +33,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
       ``out = v_scale * sum_j softmax(s)_j v_j``; a sequence of length 0 gives zeros (NaN inputs
       give NaN where they take part).
     ``scale`` defaults to ``head_size ** -0.5``. ``k_scale``/``v_scale``: float, 0-d or
-    [num_kv_heads] float32 tensor; None means 1.0 (logged once for an FP8 cache).
+    [num_kv_heads] float32 tensor; None means 1.0 (a MissingScaleWarning once for an FP8 cache).
     ``max_seq_len``: host-side upper bound on ``seq_lens`` (required during CUDA graph capture).
     ``pack``: force a pack by name (also ``HAL_PACK``).
     """
-    scale, logits_soft_cap = _host_args("paged_attention", query, scale, logits_soft_cap, sliding_window,
-                                        max_seq_len)
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    ks, kst = _split_scale("paged_attention", "k_scale", k_scale)
-    vs, vst = _split_scale("paged_attention", "v_scale", v_scale)
-    torch.ops.hal.paged_attention.default(
-        out, query, key_cache, value_cache, block_tables, seq_lens, scale, ks, vs, kst, vst,
-        alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, pack)
-    return out
+    return _ops.call("paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
+                     block_tables=block_tables, seq_lens=seq_lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                     alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                     max_seq_len=max_seq_len, out=out, pack=pack)
 
 
 def cache_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -79,24 +51,25 @@ def cache_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     ``slot = block * block_size + offset``; a negative slot skips its token (padding). For an FP8
     cache, values beyond the encoding's range saturate to its largest finite value; NaN stays NaN.
     """
-    ks, kst = _split_scale("cache_kv", "k_scale", k_scale)
-    vs, vst = _split_scale("cache_kv", "v_scale", v_scale)
-    torch.ops.hal.cache_kv.default(key, value, key_cache, value_cache, slot_mapping, ks, vs, kst, vst, pack)
+    _ops.call("cache_kv", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+              slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale, pack=pack)
 
 
-def explain(query, key_cache, value_cache, block_tables, seq_lens, *, k_scale=None, v_scale=None,
-            alibi_slopes=None, logits_soft_cap=None, sliding_window=None, max_seq_len=None,
-            pack: str | None = None, scale: float | None = None) -> dispatch.Decision:
-    """The dispatch decision ``hal.paged_attention`` would take for these arguments, with every
-    pack's verdict and reasons (``print(hal.explain(...).text())``). Runs nothing."""
+def explain(*args, op: str = "paged_attention", **kwargs) -> dispatch.Decision:
+    """The dispatch decision op ``op`` (default ``paged_attention``) would take for these arguments
+    (the public function's, positional or keyword), with every pack's verdict and reasons
+    (``print(hal.explain(...).text())``). Validates; runs nothing. Missing scales count as 1.0 here
+    without a warning."""
+    import inspect
+
     from hal import env
-    from hal.targets import target
 
-    op = "paged_attention"
-    scale, logits_soft_cap = _host_args(op, query, scale, logits_soft_cap, sliding_window, max_seq_len)
-    call, _, _ = validate.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, scale=scale,
-        k_scale=1.0 if k_scale is None else k_scale, v_scale=1.0 if v_scale is None else v_scale,
-        alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-        max_seq_len=max_seq_len, out=None)
-    return dispatch.decide(call, target(), pack if pack is not None else env.forced_pack())
+    decl = _ops.OPS.get(op)
+    if decl is None:
+        raise ValueError(f"hal.explain: op must be one of {', '.join(_ops.OPS)}; got {op!r}")
+    bound = dict(inspect.signature(decl.schema_args).bind(*args, **kwargs).arguments)  # the public keywords
+    for name in ("k_scale", "v_scale"):
+        bound[name] = 1.0 if bound.get(name) is None else bound[name]
+    forced = bound.pop("pack", None)
+    call = _ops.prepare(op, **bound)
+    return dispatch.decide(call.call_key, call.target, forced if forced is not None else env.forced_pack())

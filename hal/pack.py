@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Mapping
 from typing import ClassVar
 
@@ -15,12 +16,18 @@ import torch
 
 from hal.targets import Target
 
-# Optional behaviours a call may use; a pack lists those it implements.
-FEATURES = ("alibi", "soft_cap", "sliding_window", "per_head_scales", "misaligned_cache")
-FEATURE_TEXT = {
-    "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
-}
-OPS = ("paged_attention", "cache_kv")
+
+def op_features(op: str) -> frozenset[str]:
+    """The optional behaviours a call of ``op`` may use (its declaration in hal.ops): a pack lists,
+    per op, those it implements."""
+    from hal.ops import OPS
+    return frozenset(OPS[op].features)
+
+
+def _feature_text(op: str, feature: str) -> str:
+    from hal.ops import OPS
+    decl = OPS.get(op)
+    return decl.features.get(feature, "") if decl is not None else ""
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -82,8 +89,8 @@ class OpSupport:
         if self.max_gqa_ratio is not None and key.gqa_ratio > self.max_gqa_ratio:
             out.append(f"GQA ratio {key.gqa_ratio} exceeds the maximum {self.max_gqa_ratio}")
         for f in sorted(key.features - self.features):
-            text = f" ({FEATURE_TEXT[f]})" if f in FEATURE_TEXT else ""
-            out.append(f"feature {f!r}{text} is not implemented")
+            text = _feature_text(key.op, f)
+            out.append(f"feature {f!r}{f' ({text})' if text else ''} is not implemented")
         return out
 
     def as_dict(self) -> dict:
@@ -142,8 +149,26 @@ class Pack:
             return [f"op {key.op} is not implemented by the {self.NAME} pack"]
         return support.reasons(key)
 
+    # op -> "module:function" inside the pack's package; the function takes the op's call record
+    # (hal.call). Imported on first use, so a pack whose compiled module is missing still loads.
+    IMPLEMENTATIONS: ClassVar[Mapping[str, str]] = {}
+
     def impl(self, op: str) -> Callable:
-        raise NotImplementedError
+        """The function that runs ``op`` on a call record."""
+        found = _implementation(type(self), op)
+        if found is None:
+            raise NotImplementedError(f"the {self.NAME} pack declares no implementation of {op}")
+        return found
+
+
+@functools.cache
+def _implementation(cls: type, op: str) -> Callable | None:
+    where = cls.IMPLEMENTATIONS.get(op)
+    if where is None:
+        return None
+    module, _, name = where.partition(":")
+    package = cls.__module__.rpartition(".")[0]
+    return getattr(importlib.import_module(f"{package}.{module}"), name)
 
 
 def _join(items) -> str:

@@ -243,3 +243,34 @@ def nan_rows_ok(out: torch.Tensor, case: Case, nan_rows, close=tolerance_ok) -> 
     keep = ~want_nan
     # ``close`` sees the rows on the output's device (GPU outputs get the GPU tolerance).
     return close(out.detach()[keep.to(out.device)].unsqueeze(0), ref[keep.numpy()][None])
+
+
+def attention_call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                   alibi_slopes=None, logits_soft_cap=None, sliding_window=None, max_seq_len=None):
+    """A call record built directly (not validated), for tests that drive one pack's implementation
+    with arguments the public call would refuse or plan differently. ``max_seq_len=None`` is read
+    from ``seq_lens``, as validation does."""
+    from hal.call import AttentionCall, Geometry
+    from hal.pack import CallKey
+    from hal.targets import target
+
+    n, h, d = query.shape
+    nb, hkv, bs, _ = key_cache.shape
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if n else 0
+    key = CallKey("paged_attention", query.device.type, query.dtype, key_cache.dtype, d, bs, h // hkv)
+    return AttentionCall(key, target(), Geometry(n, h, hkv, d, bs, nb, n), out, query, key_cache, value_cache,
+                         block_tables, seq_lens, scale, k_scale, v_scale, alibi_slopes, logits_soft_cap,
+                         sliding_window, max_seq_len)
+
+
+def cache_write_call(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+    """A cache_kv call record built directly (not validated), for pack-level tests."""
+    from hal.call import CacheWriteCall, Geometry
+    from hal.pack import CallKey
+    from hal.targets import target
+
+    nb, hkv, bs, d = key_cache.shape
+    ck = CallKey("cache_kv", key.device.type, key.dtype, key_cache.dtype, d, bs, 1)
+    return CacheWriteCall(ck, target(), Geometry(0, 0, hkv, d, bs, nb, key.shape[0]), key, value, key_cache,
+                          value_cache, slot_mapping, k_scale, v_scale)

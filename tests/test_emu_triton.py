@@ -30,7 +30,8 @@ import pytest
 import torch
 
 import reference
-from cases import FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
+from cases import (FP8, alibi_slopes, attention_call, cache_write_call, gpu_tolerance_ok, make_case, nan_input_cases,
+                   nan_rows_ok)
 from hal import fp8
 
 try:
@@ -87,7 +88,7 @@ def check_attention(device, *, max_seq_len="auto", table_pad=0, vs_torch=True, *
     args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale,
             case.k_scale, case.v_scale, kw["alibi_slopes"], kw["logits_soft_cap"], kw["sliding_window"], msl)
     out = case.poisoned_out()
-    triton_path.paged_attention(out, *args)
+    triton_path.paged_attention(attention_call(out, *args))
     got = out.cpu().to(torch.float64).numpy()
     assert np.isfinite(got).all(), f"{int((~np.isfinite(got)).sum())} non-finite outputs (unwritten?)"
     assert (got[(lens == 0).numpy()] == 0).all(), "empty sequences must give zeros"
@@ -98,7 +99,7 @@ def check_attention(device, *, max_seq_len="auto", table_pad=0, vs_torch=True, *
     assert err <= tol, f"rel-L2 vs float64 reference {err:.3g} > {tol:.3g}"
     if vs_torch:
         other = case.poisoned_out()
-        torch_path.paged_attention(other, *args)
+        torch_path.paged_attention(attention_call(other, *args))
         err_t = reference.relative_l2(got, other.cpu().to(torch.float64).numpy())
         assert err_t <= tol, f"rel-L2 vs torch_path {err_t:.3g} > {tol:.3g}"
     return err
@@ -171,7 +172,7 @@ def check_cache_kv(device, dtype, scale_kind, input_dtype=torch.float32) -> None
         return raw.view(dtype) if dtype in FP8 else torch.full((nb, hkv, bs, d), -7.0, dtype=dtype)
     kc, vc = fresh().to(device), fresh().to(device)
     dev = lambda s: s.to(device) if isinstance(s, torch.Tensor) else s  # noqa: E731
-    triton_path.cache_kv(key.to(device), value.to(device), kc, vc, slots.to(device), dev(ks), dev(vs))
+    triton_path.cache_kv(cache_write_call(key.to(device), value.to(device), kc, vc, slots.to(device), dev(ks), dev(vs)))
 
     keep = (slots >= 0) & (slots < nb * bs)
     blk, off = slots[keep] // bs, slots[keep] % bs
@@ -200,9 +201,9 @@ def check_nan_inputs(device, **over) -> None:
     for where, (case, rows) in nan_input_cases(device=device, **over).items():
         out = case.poisoned_out()
         lens = case.seq_lens.cpu()
-        triton_path.paged_attention(out, case.query, case.key_cache, case.value_cache, case.block_tables,
+        triton_path.paged_attention(attention_call(out, case.query, case.key_cache, case.value_cache, case.block_tables,
                                     case.seq_lens, case.query.shape[-1] ** -0.5, case.k_scale, case.v_scale,
-                                    case.kwargs.get("alibi_slopes"), None, None, int(lens.max()))
+                                    case.kwargs.get("alibi_slopes"), None, None, int(lens.max())))
         ok, msg = nan_rows_ok(out, case, rows, gpu_tolerance_ok)
         assert ok, f"{where}: {msg}"
 
@@ -338,13 +339,13 @@ def test_kernels_compile_offline_for_gpu_targets(case_name, monkeypatch, tmp_pat
         monkeypatch.setattr(TK, n, r)
     case = make_case(**COMPILE_CASES[case_name])
     kw = {k: case.kwargs.get(k) for k in ("alibi_slopes", "logits_soft_cap", "sliding_window")}
-    triton_path.paged_attention(case.poisoned_out(), case.query, case.key_cache, case.value_cache,
+    triton_path.paged_attention(attention_call(case.poisoned_out(), case.query, case.key_cache, case.value_cache,
                                 case.block_tables, case.seq_lens, 0.1, case.k_scale, case.v_scale,
                                 kw["alibi_slopes"], kw["logits_soft_cap"], kw["sliding_window"],
-                                int(case.seq_lens.max()))
+                                int(case.seq_lens.max())))
     x = torch.randn(3, *case.key_cache.shape[1:2], case.key_cache.shape[-1]).to(case.query.dtype)
-    triton_path.cache_kv(x, x, case.key_cache, case.value_cache, torch.tensor([0, -1, 5]),
-                         case.k_scale, case.v_scale)
+    triton_path.cache_kv(cache_write_call(x, x, case.key_cache, case.value_cache, torch.tensor([0, -1, 5]),
+                         case.k_scale, case.v_scale))
     launches = [(r.fn, a, k) for r in recs.values() for a, k in r.calls]
     assert len(launches) == (3 if case_name == "e5m2fnuz_split_features" else 2)
     for target in (GPUTarget("cuda", 80, 32), GPUTarget("hip", "gfx90a", 64)):
@@ -450,8 +451,8 @@ def test_gpu_strided_rows_and_blocks():
     out = torch.full((q.shape[0], q.shape[1] * 2, q.shape[2]), math.nan, dtype=q.dtype, device="cuda")
     out = out[:, ::2]  # rows strided, last dim dense
     scale = q.shape[-1] ** -0.5
-    triton_path.paged_attention(out, q, kv[:, 0], kv[:, 1], case.block_tables, case.seq_lens, scale,
-                                case.k_scale, case.v_scale, None, None, None, 700)
+    triton_path.paged_attention(attention_call(out, q, kv[:, 0], kv[:, 1], case.block_tables, case.seq_lens, scale,
+                                case.k_scale, case.v_scale, None, None, None, 700))
     ref = reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                                     case.seq_lens, scale=scale, k_scale=case.k_scale, v_scale=case.v_scale)
     assert reference.relative_l2(out.cpu().double().numpy(), ref) <= 5e-3
@@ -498,10 +499,10 @@ def test_gpu_no_sync_and_cuda_graph_capture():
     scale = case.query.shape[-1] ** -0.5
 
     def step():
-        triton_path.cache_kv(key, key, kc, vc, slots, case.k_scale, case.v_scale)
-        triton_path.paged_attention(out, case.query, case.key_cache, case.value_cache, case.block_tables,
+        triton_path.cache_kv(cache_write_call(key, key, kc, vc, slots, case.k_scale, case.v_scale))
+        triton_path.paged_attention(attention_call(out, case.query, case.key_cache, case.value_cache, case.block_tables,
                                     case.seq_lens, scale, case.k_scale, case.v_scale, kw["alibi_slopes"],
-                                    None, kw["sliding_window"], 1300)
+                                    None, kw["sliding_window"], 1300))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

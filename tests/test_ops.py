@@ -36,6 +36,28 @@ def test_opcheck_paged_attention(scale_tensors, cache_dtype):
                           test_utils=_utils(cache_dtype))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(hal.ops.OPS))
+def test_opcheck_every_declared_op_on_its_example(name, cache_dtype):
+    """Each declared op's example call (the probe's smoke call) passes torch's opcheck."""
+    decl = hal.ops.OPS[name]
+    kwargs = decl.example("cpu", cache_dtype)
+    if name == "paged_attention":
+        kwargs["query"] = kwargs["query"].float()  # opcheck compares with allclose; fp32 keeps it exact
+        kwargs["out"] = kwargs["out"].float()
+    torch.library.opcheck(getattr(torch.ops.hal, name).default, decl.schema_args(**kwargs),
+                          test_utils=_utils(cache_dtype))
+
+
+@pytest.mark.parametrize("name", list(hal.ops.OPS))
+def test_declaration_is_complete(name):
+    """Registration, the public function, explain and the probe read these fields."""
+    decl = hal.ops.OPS[name]
+    assert hasattr(torch.ops.hal, name) and decl.schema.endswith("-> ()") and "str? pack)" in decl.schema
+    assert decl.features and decl.example is not None
+    assert all(isinstance(t, str) and t for t in decl.features.values())
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e5m2, torch.float16], ids=str)
 def test_opcheck_cache_kv(cache_dtype):
     kc = torch.zeros(4, 2, 8, 64, dtype=cache_dtype)

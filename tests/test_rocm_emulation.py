@@ -20,7 +20,7 @@ import torch
 
 import hal
 import reference
-from cases import (FP8, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok, poison_unread,
+from cases import (FP8, alibi_slopes, attention_call, cache_write_call, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok, poison_unread,
                    read_slots)
 from hal.kernelpacks.rocm import build, emulator, kernels, ops, pack, testing
 
@@ -55,9 +55,9 @@ def rocm_attention(em, case, *, schedule=0, seed=0, out=None, max_seq_len=None, 
     out = case.poisoned_out() if out is None else out
     d = case.query.shape[-1]
     be = emulator.EmulatorBackend(em, schedule, seed)
-    ops.paged_attention(be, out, case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+    ops.paged_attention(be, attention_call(out, case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                         kw.get("scale", d ** -0.5), case.k_scale, case.v_scale, kw.get("alibi_slopes"),
-                        kw.get("logits_soft_cap"), kw.get("sliding_window"), max_seq_len)
+                        kw.get("logits_soft_cap"), kw.get("sliding_window"), max_seq_len))
     return out, be
 
 
@@ -291,7 +291,7 @@ def _cache_kv_both(em, cache_dtype, key, value, slots, nb, bs, ks, vs):
             torch.full((nb, hkv, bs, d), 3.0, dtype=cache_dtype)
         vc = kc.clone()
         if who == "rocm":
-            ops.cache_kv(emulator.EmulatorBackend(em), key, value, kc, vc, slots, ks, vs)
+            ops.cache_kv(emulator.EmulatorBackend(em), cache_write_call(key, value, kc, vc, slots, ks, vs))
         else:
             hal.cache_kv(key, value, kc, vc, slots, k_scale=ks, v_scale=vs, pack="emu")
         caches[who] = (kc, vc)
@@ -441,12 +441,12 @@ def test_emulated_lds_matches_the_code_objects():
     d = case.query.shape[-1]
     # decode only (one partition: no reduce launch follows)
     case1 = make_case(seq_lens=[100], cache_dtype=torch.float8_e4m3fnuz)
-    ops.paged_attention(be, case1.poisoned_out(), case1.query, case1.key_cache, case1.value_cache,
+    ops.paged_attention(be, attention_call(case1.poisoned_out(), case1.query, case1.key_cache, case1.value_cache,
                         case1.block_tables, case1.seq_lens, d ** -0.5, case1.k_scale, case1.v_scale,
-                        None, None, None, None)
+                        None, None, None, None))
     assert em.lds_bytes() == co.kernels["hal_pa_decode_bf16_e4m3fnuz_d64"].lds
-    ops.paged_attention(be, case.poisoned_out(), case.query, case.key_cache, case.value_cache, case.block_tables,
-                        case.seq_lens, d ** -0.5, case.k_scale, case.v_scale, None, None, None, None)
+    ops.paged_attention(be, attention_call(case.poisoned_out(), case.query, case.key_cache, case.value_cache, case.block_tables,
+                        case.seq_lens, d ** -0.5, case.k_scale, case.v_scale, None, None, None, None))
     assert em.lds_bytes() == co.kernels["hal_pa_reduce_bf16"].lds
 
 

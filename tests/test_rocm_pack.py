@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hal
-from cases import gpu_tolerance_ok, make_case
+from cases import attention_call, gpu_tolerance_ok, make_case
 from hal import dispatch, registry
 from hal.kernelpacks.rocm import build, emulator, kernels, launcher, ops, pack, testing, tuning
 from hal.pack import Availability, CallKey
@@ -157,8 +157,8 @@ def test_converted_fn_cache_gives_the_same_attention():
     kc, ks = hal.fp8.fn_to_fnuz(case.key_cache, case.k_scale)
     vc, vs = hal.fp8.fn_to_fnuz(case.value_cache, case.v_scale)
     out = case.poisoned_out()
-    ops.paged_attention(emulator.EmulatorBackend(em), out, case.query, kc, vc, case.block_tables, case.seq_lens,
-                        64 ** -0.5, ks, vs, None, None, None, None)
+    ops.paged_attention(emulator.EmulatorBackend(em), attention_call(out, case.query, kc, vc, case.block_tables, case.seq_lens,
+                        64 ** -0.5, ks, vs, None, None, None, None))
     assert gpu_tolerance_ok(out, ref)[0]
 
 

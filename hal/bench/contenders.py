@@ -22,7 +22,7 @@ import torch
 import hal
 from hal.bench import baselines
 from hal.bench.baselines import Skip
-from hal.bench.check import emu_call
+from hal.bench.check import emu_runner
 from hal.bench.data import Problem
 
 
@@ -70,7 +70,7 @@ def _hal(pack: str | None):
 def _emu_torch(p: Problem, opts: dict) -> Prepared:
     from hal.kernelpacks.emu import torch_path
     out = torch.empty_like(p.query)
-    return Prepared(lambda: emu_call(torch_path, out, p), out)
+    return Prepared(emu_runner(torch_path, out, p), out)
 
 
 def _emu_triton(p: Problem, opts: dict) -> Prepared:
@@ -88,7 +88,7 @@ def _emu_triton(p: Problem, opts: dict) -> Prepared:
             raise Skip(f"{name} is not in this tree yet ({exc})") from None
         raise
     out = torch.empty_like(p.query)
-    return Prepared(lambda: emu_call(module, out, p), out)
+    return Prepared(emu_runner(module, out, p), out)
 
 
 def _torch_sdpa(p: Problem, opts: dict) -> Prepared:

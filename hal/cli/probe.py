@@ -23,7 +23,6 @@ import time
 import traceback
 import warnings
 
-DECODE_SHAPE = dict(num_seqs=4, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, context=1000)
 # Smoke-test bound on relative L2 error vs float64: bf16 output rounding (2^-8 relative per element)
 # plus 16-bit probabilities in the native kernels (~2^-9); 5e-3 is the bound the native packs promise.
 SMOKE_TOLERANCE = 5e-3
@@ -87,7 +86,7 @@ def _dispatch():
     from hal.fp8 import FP8_DTYPES
     from hal.pack import CallKey
     t = hal.target()
-    s = DECODE_SHAPE
+    from hal.ops.paged_attention import EXAMPLE_SHAPE as s  # the op's declared example
     rows = []
     for cache in [torch.bfloat16, torch.float16, *sorted(FP8_DTYPES, key=str)]:
         key = CallKey("paged_attention", _device_type(t), torch.bfloat16, cache, s["head_size"],
@@ -116,43 +115,29 @@ def _smoke():
 
 
 def _smoke_run():
+    """Every declared op with an example and a reference: the example call on this machine's best
+    pack, its output against the float64 reference (the first op reported is paged_attention)."""
     import torch
 
     import hal
-    from hal import reference
+    from hal import ops, reference
     t = hal.target()
     dev = _device_type(t)
-    s = DECODE_SHAPE
     cache_dtype = hal.fp8.native_e4m3(t)
-    g = torch.Generator().manual_seed(0)
-    nb = s["num_seqs"] * ((s["context"] + s["block_size"] - 1) // s["block_size"]) + 1
-    shape = (nb, s["num_kv_heads"], s["block_size"], s["head_size"])
-    kc = torch.empty(shape, dtype=cache_dtype, device=dev)
-    vc = torch.empty_like(kc)
-    tokens = (nb - 1) * s["block_size"]
-    k = torch.randn(tokens, s["num_kv_heads"], s["head_size"], generator=g).to(dev)
-    v = torch.randn(tokens, s["num_kv_heads"], s["head_size"], generator=g).to(dev)
-    fmax = torch.finfo(cache_dtype).max
-    ks, vs = k.abs().max().item() / fmax, v.abs().max().item() / fmax
-    perm = torch.randperm(nb - 1, generator=g)
-    slots = (perm[:, None] * s["block_size"] + torch.arange(s["block_size"])).reshape(-1).to(dev)
-    hal.cache_kv(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
-    per_seq = (s["context"] + s["block_size"] - 1) // s["block_size"]
-    tables = perm[: s["num_seqs"] * per_seq].reshape(s["num_seqs"], per_seq).to(torch.int32).to(dev)
-    lens = torch.tensor([s["context"] - 3 * i for i in range(s["num_seqs"])], dtype=torch.int32, device=dev)
-    q = torch.randn(s["num_seqs"], s["num_heads"], s["head_size"], generator=g).to(torch.bfloat16).to(dev)
-    decision = hal.explain(q, kc, vc, tables, lens, k_scale=ks, v_scale=vs)
-    out = torch.full_like(q, float("nan"))
-    hal.paged_attention(q, kc, vc, tables, lens, k_scale=ks, v_scale=vs, out=out, max_seq_len=s["context"])
+    from hal.ops.paged_attention import EXAMPLE_SHAPE as s  # the op's declared example
+    decl = ops.OPS["paged_attention"]
+    kwargs = decl.example(dev, cache_dtype)
+    call = ops.prepare(decl.name, **kwargs)
+    decision = hal.explain(**{k: kw for k, kw in kwargs.items() if k != "out"})
+    out = ops.call(decl.name, **kwargs)
     if dev == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    hal.paged_attention(q, kc, vc, tables, lens, k_scale=ks, v_scale=vs, out=out, max_seq_len=s["context"])
+    ops.call(decl.name, **kwargs)
     if dev == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    ref = reference.paged_attention(q, kc, vc, tables, lens, k_scale=ks, v_scale=vs)
-    err = reference.relative_l2(out, ref)
+    err = reference.relative_l2(out, decl.reference(call))
     finite = bool(torch.isfinite(out.float()).all())
     return {"pack": decision.pack.NAME if decision.pack else None, "device": dev,
             "cache_dtype": str(cache_dtype).removeprefix("torch."),

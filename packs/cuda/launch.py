@@ -1,6 +1,6 @@
 """Host side of the cuda pack: choose the split of the context, allocate the workspace, launch.
 
-Thin on purpose: validation happened in hal (hal/validate.py), the kernels live in csrc/.
+Thin on purpose: validation happened in hal (hal/ops/, into the call record), the kernels live in csrc/.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _scale(s) -> tuple[float, int, int]:
     return float(s), 0, 0
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
     n, h, d = query.shape
     _, hkv, bs, _ = key_cache.shape
@@ -67,7 +67,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
         return
     dev = query.device
     head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
     size, parts, wrows = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype, one_tile=head_tiles * 8 >= h // hkv)
     if parts > 1:
         part_out = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
@@ -91,7 +91,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
             int(wrows), stream)
 
 
-def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     nb, hkv, bs, d = key_cache.shape
     ks, ksp, kss = _scale(k_scale)
     vs, vsp, vss = _scale(v_scale)
@@ -103,3 +103,13 @@ def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
                     key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), ksp, vsp,
                     key.stride(0), key.stride(1), value.stride(0), value.stride(1), key_cache.stride(0) * elem,
                     value_cache.stride(0) * elem, ks, vs, kss, vss, key.shape[0], hkv, d, bs, nb, stream)
+
+
+def paged_attention(call) -> None:
+    """Run a validated :class:`hal.call.AttentionCall`."""
+    _paged_attention(call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+
+
+def cache_kv(call) -> None:
+    """Run a validated :class:`hal.call.CacheWriteCall`."""
+    _cache_kv(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)

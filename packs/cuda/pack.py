@@ -14,7 +14,7 @@ import pathlib
 import torch
 
 from hal.kernelpacks.cuda import archs
-from hal.pack import FEATURES, Availability, CallKey, OpSupport, Pack
+from hal.pack import Availability, CallKey, OpSupport, Pack, op_features
 from hal.targets import Target
 
 HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)  # csrc/launch.h HAL_CUDA_HEAD_SIZES
@@ -33,7 +33,7 @@ PAGED_ATTENTION = OpSupport(
     head_sizes=HEAD_SIZES,
     block_sizes=BLOCK_SIZES,
     devices=frozenset({"cuda"}),
-    features=frozenset(FEATURES) - {"misaligned_cache"},
+    features=op_features("paged_attention") - {"misaligned_cache"},
     max_gqa_ratio=None,
     cache_dtype_notes=_NOTES,
 )
@@ -63,6 +63,7 @@ class CudaPack(Pack):
     DESCRIPTION = "native CUDA for NVIDIA sm89+: mma.sync tensor cores, hardware FP8 conversion, split-K"
     VENDORS = frozenset({"cuda"})
     SUPPORTS = {"paged_attention": PAGED_ATTENTION, "cache_kv": CACHE_KV}
+    IMPLEMENTATIONS = {"paged_attention": "launch:paged_attention", "cache_kv": "launch:cache_kv"}
 
     def native_for(self, target: Target) -> str | None:
         why = super().native_for(target)
@@ -107,10 +108,6 @@ class CudaPack(Pack):
             out.append(f"a {str(key.cache_dtype).removeprefix('torch.')} cache needs a query of the same dtype "
                        f"(got {str(key.query_dtype).removeprefix('torch.')})")
         return out
-
-    def impl(self, op: str):
-        from hal.kernelpacks.cuda import launch
-        return getattr(launch, op)
 
 
 PACK = CudaPack()

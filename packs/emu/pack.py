@@ -15,19 +15,24 @@ import importlib.util
 import torch
 
 from hal.fp8 import FP8_DTYPES
-from hal.pack import FEATURES, Availability, OpSupport, Pack
+from hal.pack import Availability, OpSupport, Pack, op_features
 
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
-SUPPORT = OpSupport(
-    query_dtypes=_FLOAT,
-    cache_dtypes=_FLOAT | FP8_DTYPES,
-    head_sizes=tuple(range(32, 257, 8)),
-    block_sizes=tuple(range(1, 257)),
-    devices=frozenset({"cpu", "cuda"}),
-    features=frozenset(FEATURES),
-    max_gqa_ratio=None,
-)
+
+def _support(op: str) -> OpSupport:
+    return OpSupport(
+        query_dtypes=_FLOAT,
+        cache_dtypes=_FLOAT | FP8_DTYPES,
+        head_sizes=tuple(range(32, 257, 8)),
+        block_sizes=tuple(range(1, 257)),
+        devices=frozenset({"cpu", "cuda"}),
+        features=op_features(op),  # every feature of the op
+        max_gqa_ratio=None,
+    )
+
+
+SUPPORT = _support("paged_attention")
 
 
 @functools.cache
@@ -44,7 +49,9 @@ class EmuPack(Pack):
     NAME = "emu"
     DESCRIPTION = "software FP8 (every encoding): PyTorch on any device, Triton on GPUs"
     VENDORS = frozenset({"cpu", "cuda", "rocm"})
-    SUPPORTS = {"paged_attention": SUPPORT, "cache_kv": SUPPORT}
+    SUPPORTS = {"paged_attention": SUPPORT, "cache_kv": _support("cache_kv")}
+    # the path follows the call's device: routing.py sends GPU tensors to Triton where it runs
+    IMPLEMENTATIONS = {"paged_attention": "routing:paged_attention", "cache_kv": "routing:cache_kv"}
 
     def _probe(self) -> Availability:
         why = triton_usable()
@@ -52,27 +59,5 @@ class EmuPack(Pack):
             "paths": ["torch"] + (["triton"] if why is None else []),
             "triton": "usable" if why is None else f"not used: {why}",
         })
-
-    def impl(self, op: str):
-        return functools.partial(_run, op)
-
-
-def _run(op: str, *args) -> None:
-    device = args[1].device if op == "paged_attention" else args[2].device
-    module = _triton() if device.type == "cuda" and triton_usable() is None else _torch()
-    getattr(module, op)(*args)
-
-
-@functools.cache
-def _torch():
-    from hal.kernelpacks.emu import torch_path
-    return torch_path
-
-
-@functools.cache
-def _triton():
-    from hal.kernelpacks.emu import triton_path
-    return triton_path
-
 
 PACK = EmuPack()

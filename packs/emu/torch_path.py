@@ -46,7 +46,7 @@ def _gather_decode(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
     n, h, d = query.shape
     _, hkv, bs, _ = key_cache.shape
@@ -54,7 +54,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
     if n == 0:
         return
     dev = query.device
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
     lens = seq_lens.to(torch.int64)
     q = query.to(torch.float32).reshape(n, hkv, g, d)
     logit_scale = _per_head(k_scale, hkv, dev)
@@ -102,7 +102,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
     out.copy_(result.reshape(n, h, d))
 
 
-def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     nb, hkv, bs, d = key_cache.shape
     # Out-of-range slots were rejected by validation where it could look (CPU, HAL_DEBUG); on a GPU
     # without HAL_DEBUG they are skipped here, never written out of bounds.
@@ -120,3 +120,13 @@ def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
             cache.view(torch.uint8)[blk, :, off] = fp8.encode_bytes(rows / s, cache.dtype)
         else:
             cache[blk, :, off] = (rows / s).to(cache.dtype)
+
+
+def paged_attention(call) -> None:
+    """Run a validated :class:`hal.call.AttentionCall`."""
+    _paged_attention(call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+
+
+def cache_kv(call) -> None:
+    """Run a validated :class:`hal.call.CacheWriteCall`."""
+    _cache_kv(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)

@@ -86,14 +86,14 @@ def _raw(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if fp8.is_fp8(cache.dtype) else cache
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
     n, h, d = query.shape
     if n == 0:
         return
     _, hkv, bs, _ = key_cache.shape
     g = h // hkv
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len  # None: one sync, allowed
+    max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
 
     d_pad = max(16, _pow2(d))
     g_tile = min(max(16, _pow2(g)), 64 if d_pad <= 128 else 32)  # large groups: several head tiles
@@ -146,7 +146,7 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
             )
 
 
-def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     t = key.shape[0]
     if t == 0:
         return
@@ -165,3 +165,13 @@ def cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
             D=d, D_PAD=d_pad, H_TILE=h_tile, BS=bs, K_SCALE_STRIDE=ks_stride, V_SCALE_STRIDE=vs_stride,
             **_fp8_constants(key_cache.dtype), MAX_BYTE=max_byte, NAN_BYTE=nan_byte, num_warps=4,
         )
+
+
+def paged_attention(call) -> None:
+    """Run a validated :class:`hal.call.AttentionCall`."""
+    _paged_attention(call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+
+
+def cache_kv(call) -> None:
+    """Run a validated :class:`hal.call.CacheWriteCall`."""
+    _cache_kv(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)

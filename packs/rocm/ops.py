@@ -53,7 +53,7 @@ def max_partitions(max_len: int, partition_size: int, sliding_window: int | None
     return max(parts, 1)  # partition 0 also writes the zeros of empty sequences
 
 
-def paged_attention(backend, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+def _paged_attention(backend, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
     n, h, d = query.shape
     nb, hkv, bs, _ = key_cache.shape
@@ -65,7 +65,7 @@ def paged_attention(backend, out, query, key_cache, value_cache, block_tables, s
     psize = tuning.partition_size(arch)
     g = h // hkv
     tiles = -(-g // 16)
-    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+    max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
     parts = max_partitions(max_len, psize, sliding_window)
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_cache(name, c)
@@ -112,7 +112,7 @@ def paged_attention(backend, out, query, key_cache, value_cache, block_tables, s
         out.copy_(o)
 
 
-def cache_kv(backend, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+def _cache_kv(backend, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
     t = key.shape[0]
     nb, hkv, bs, d = key_cache.shape
     if t == 0:
@@ -140,3 +140,13 @@ def cache_kv(backend, key, value, key_cache, value_cache, slot_mapping, k_scale,
 
 
 __all__ = ["paged_attention", "cache_kv", "max_partitions", "TYPE_NAMES"]
+
+
+def paged_attention(backend, call) -> None:
+    """Run a validated :class:`hal.call.AttentionCall` through ``backend`` (HIP or the emulation)."""
+    _paged_attention(backend, call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+
+
+def cache_kv(backend, call) -> None:
+    """Run a validated :class:`hal.call.CacheWriteCall` through ``backend``."""
+    _cache_kv(backend, call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)

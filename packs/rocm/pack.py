@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-from hal.pack import FEATURES, Availability, CallKey, OpSupport, Pack
+from hal.pack import Availability, CallKey, OpSupport, Pack, op_features
 from hal.targets import Target
 
 from . import kernels, tuning
@@ -66,7 +66,7 @@ def supports_for(arch: str) -> dict[str, OpSupport]:
     return {
         # 16-byte vector loads: a cache must start, and keep its blocks, on 16-byte boundaries
         "paged_attention": OpSupport(query_dtypes=HALF, head_sizes=kernels.HEAD_SIZES,
-                                     features=frozenset(FEATURES) - {"misaligned_cache"},
+                                     features=op_features("paged_attention") - {"misaligned_cache"},
                                      max_gqa_ratio=None, **common),
         "cache_kv": OpSupport(query_dtypes=HALF | {torch.float32}, head_sizes=CACHE_KV_HEAD_SIZES,
                               features=frozenset({"per_head_scales"}), **common),
@@ -187,9 +187,11 @@ class RocmPack(Pack):
             raise RuntimeError(f"rocm pack: HIP runtime not found: {how}")
         return HipBackend(HipRuntime(path), built_archs(self.code_objects))
 
+    IMPLEMENTATIONS = {"paged_attention": "ops:paged_attention", "cache_kv": "ops:cache_kv"}
+
     def impl(self, op: str):
-        from . import ops
-        return functools.partial(getattr(ops, op), self._backend)
+        """The declared implementation, bound to this machine's HIP backend."""
+        return functools.partial(super().impl(op), self._backend)
 
 
 PACK = RocmPack()

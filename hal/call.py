@@ -1,0 +1,71 @@
+"""The frozen call records every pack receives: one validated call, with its scales in one form (a
+float or a float32 tensor on the caches' device), its geometry derived once, the target it was
+dispatched for and the host-side bounds that plan it. Packs read fields; they never re-derive or
+re-validate them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hal.pack import CallKey
+from hal.targets import Target
+
+Scale = float | torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    num_blocks: int
+    total_q: int          # query rows (== num_seqs for decode)
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """``hal.paged_attention`` after validation. ``out`` and ``query`` have a unit stride in their
+    last dimension (the op copies other views in and ``out`` back). ``max_seq_len`` is always an
+    int: the caller's host bound, else read from ``seq_lens`` once, here (a device sync on GPUs,
+    refused during graph capture)."""
+
+    call_key: CallKey
+    target: Target
+    geometry: Geometry
+    out: torch.Tensor
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    k_scale: Scale
+    v_scale: Scale
+    alibi_slopes: torch.Tensor | None
+    logits_soft_cap: float | None
+    sliding_window: int | None
+    max_seq_len: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CacheWriteCall:
+    """``hal.cache_kv`` after validation (``key``/``value`` with a unit last stride)."""
+
+    call_key: CallKey
+    target: Target
+    geometry: Geometry
+    key: torch.Tensor
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: Scale
+    v_scale: Scale

@@ -1,0 +1,30 @@
+"""What declaring an op means. One :class:`OpDecl` per op holds everything hal needs to serve it:
+the torch schema, the public keywords' translation into that schema, validation into the frozen
+call record packs receive, the fake (shape-only) check, the float64 reference and a typical call
+for the probe's smoke test. Registration with ``torch.library``, the public functions, ``explain``,
+the probe and the tests' op grids loop over the declared ops (:data:`hal.ops.OPS`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDecl:
+    name: str
+    schema: str                                  # "(Tensor(a!) out, ...) -> ()" without the name
+    features: Mapping[str, str]                  # optional behaviours a call may use -> what they are
+    schema_args: Callable[..., tuple]            # the public function's keywords -> the schema's arguments
+    check: Callable[..., object]                 # the schema's arguments -> the validated call record
+    tensors: Callable[..., dict]                 # the schema's arguments -> the tensors, by argument name
+    fake: Callable[..., None]                    # shape-only checks (torch.compile, all-meta calls)
+    result: Callable[[tuple], object]            # what the public function returns, from the schema's arguments
+    finish: Callable[[object, tuple], None] = lambda call, args: None  # after the pack ran (e.g. copy out back)
+    reference: Callable[[object], object] | None = None  # float64 result of a call record
+    example: Callable[[object], dict] | None = None      # a typical call's keywords for a target (probe smoke test)
+
+    @property
+    def pack_arg(self) -> int:
+        """Every schema ends with ``str? pack``: the forced pack."""
+        return -1

@@ -1,0 +1,195 @@
+"""The declaration of ``hal::paged_attention``: schema, validation into an :class:`AttentionCall`,
+fake, float64 reference, and a typical call for the probe."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hal import reference as _reference
+from hal import validate as v
+from hal.call import AttentionCall, Geometry
+from hal.ops.decl import OpDecl
+from hal.pack import CallKey
+from hal.targets import target
+
+NAME = "paged_attention"
+SCHEMA = ("(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+          "Tensor seq_lens, float scale, float? k_scale, float? v_scale, Tensor? k_scale_tensor, "
+          "Tensor? v_scale_tensor, Tensor? alibi_slopes, float? logits_soft_cap, int? sliding_window, "
+          "int? max_seq_len, str? pack) -> ()")
+FEATURES = {
+    "alibi": "ALiBi slopes",
+    "soft_cap": "logits soft-cap",
+    "sliding_window": "a sliding window",
+    "per_head_scales": "[num_kv_heads] k/v scales",
+    "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
+}
+
+
+def schema_args(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
+                v_scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None, max_seq_len=None,
+                out=None, pack=None) -> tuple:
+    """The public keywords as the schema's arguments: Python numbers are checked before torch's
+    schema coerces them (True -> 1), scales go to their float or tensor slot, ``out`` is allocated."""
+    v.tensor(NAME, "query", query)
+    if scale is None:  # head_size 0 (or a 0-d query) is reported by validation, not as a ZeroDivisionError
+        scale = query.shape[-1] ** -0.5 if query.dim() and query.shape[-1] > 0 else 1.0
+    else:
+        scale = v.real(NAME, "scale", scale, "a finite float > 0 (or None for head_size**-0.5)")
+    if logits_soft_cap is not None:
+        logits_soft_cap = v.real(NAME, "logits_soft_cap", logits_soft_cap, "None or a finite float > 0")
+    v.integer(NAME, "sliding_window", sliding_window, 1, "no window; else keys at positions >= seq_len - window")
+    v.integer(NAME, "max_seq_len", max_seq_len, 0, "read from seq_lens")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    ks, kst = v.split_scale(NAME, "k_scale", k_scale)
+    vs, vst = v.split_scale(NAME, "v_scale", v_scale)
+    return (out, query, key_cache, value_cache, block_tables, seq_lens, scale, ks, vs, kst, vst, alibi_slopes,
+            logits_soft_cap, sliding_window, max_seq_len, pack)
+
+
+def tensors(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_scale_tensor,
+            v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, pack) -> dict:
+    return dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                seq_lens=seq_lens, k_scale=k_scale_tensor, v_scale=v_scale_tensor, alibi_slopes=alibi_slopes)
+
+
+def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_scale_tensor,
+          v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, pack) -> AttentionCall:
+    """Every argument checked (errors name the argument, what was expected, what was given)."""
+    op = NAME
+    v.tensor(op, "query", query)
+    v.caches(op, key_cache, value_cache)
+    ks = v.scale(op, "k_scale", v.pick(op, "k_scale", k_scale, k_scale_tensor), key_cache)
+    vs = v.scale(op, "v_scale", v.pick(op, "v_scale", v_scale, v_scale_tensor), value_cache)
+    nb, hkv, bs, d = key_cache.shape
+    dev = key_cache.device
+    if query.dtype not in v.QUERY_DTYPES:
+        v.fail(op, "query", "float16, bfloat16 or float32", v.desc(query))
+    if query.dim() != 3:
+        v.fail(op, "query", "3-d [num_seqs, num_heads, head_size]", v.desc(query))
+    v.same_device(op, "query", query, dev)
+    n, h, qd = query.shape
+    if qd != d:
+        v.fail(op, "query", f"head_size {d} like the caches (last dim)", v.desc(query))
+    if h % hkv != 0:
+        v.fail(op, "query", f"a number of heads divisible by num_kv_heads={hkv}", f"{h} heads")
+
+    v.tensor(op, "block_tables", block_tables)
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n:
+        v.fail(op, "block_tables", f"an int32 [num_seqs={n}, max_blocks_per_seq] tensor", v.desc(block_tables))
+    v.same_device(op, "block_tables", block_tables, dev)
+    v.tensor(op, "seq_lens", seq_lens)
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] != n:
+        v.fail(op, "seq_lens", f"an int32 [num_seqs={n}] tensor", v.desc(seq_lens))
+    v.same_device(op, "seq_lens", seq_lens, dev)
+    capacity = block_tables.shape[1] * bs
+
+    if isinstance(scale, bool) or not isinstance(scale, float) or not v.positive_f32(scale):
+        v.fail(op, "scale", "a finite float > 0 (or None for head_size**-0.5)"
+               + (" as a float32" if isinstance(scale, float) and scale > 0 and math.isfinite(scale) else ""),
+               repr(scale))
+    if alibi_slopes is not None:
+        v.tensor(op, "alibi_slopes", alibi_slopes)
+        if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape != (h,):
+            v.fail(op, "alibi_slopes", f"a float32 [num_heads={h}] tensor", v.desc(alibi_slopes))
+        v.same_device(op, "alibi_slopes", alibi_slopes, dev)
+    if logits_soft_cap is not None:
+        cap = v.real(op, "logits_soft_cap", logits_soft_cap, "None or a finite float > 0")
+        if not v.positive_f32(cap):
+            v.fail(op, "logits_soft_cap", "None or " + v.positive_f32_text(cap, "a finite float > 0"),
+                   repr(logits_soft_cap))
+    v.integer(op, "sliding_window", sliding_window, 1, "no window; else keys at positions >= seq_len - window")
+    v.integer(op, "max_seq_len", max_seq_len, 0, "read from seq_lens")
+    if max_seq_len is not None:
+        if max_seq_len > capacity:
+            v.fail(op, "max_seq_len", f"<= the block table's capacity {capacity} tokens", str(max_seq_len))
+    elif dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        v.fail(op, "max_seq_len", "given while a CUDA graph is being captured (it sizes the split-K "
+               "workspace without a device sync)", "None")
+
+    v.tensor(op, "out", out)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        v.fail(op, "out", f"like query ({v.desc(query)})", v.desc(out))
+
+    hi = None
+    if v.on_host_or_debug(seq_lens) and n > 0:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > capacity:
+            v.fail(op, "seq_lens", f"within [0, {capacity}] (block_tables has {block_tables.shape[1]} blocks "
+                   f"of {bs} tokens per sequence)", f"values from {lo} to {hi}")
+        if max_seq_len is not None and hi > max_seq_len:
+            v.fail(op, "max_seq_len", f">= every seq_len (max is {hi})", str(max_seq_len))
+        used = (seq_lens.to(torch.int64) + bs - 1) // bs
+        cols = torch.arange(block_tables.shape[1], device=dev)
+        refs = block_tables[cols[None, :] < used[:, None]]
+        if refs.numel() and (int(refs.min()) < 0 or int(refs.max()) >= nb):
+            v.fail(op, "block_tables", f"entries in [0, {nb}) for every block a sequence uses",
+                   f"entries from {int(refs.min())} to {int(refs.max())}")
+    if max_seq_len is None:  # decided once, here, for every pack (one sync on a GPU, never while capturing)
+        max_seq_len = 0 if n == 0 else (hi if hi is not None else int(seq_lens.max()))
+
+    key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv,
+                  v.features(alibi_slopes, logits_soft_cap, sliding_window, ks, vs, (key_cache, value_cache)))
+    return AttentionCall(
+        call_key=key, target=target(), geometry=Geometry(n, h, hkv, d, bs, nb, n),
+        out=v.unit_last(out), query=v.unit_last(query), key_cache=key_cache, value_cache=value_cache,
+        block_tables=block_tables, seq_lens=seq_lens, scale=scale, k_scale=ks, v_scale=vs,
+        alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+        max_seq_len=max_seq_len)
+
+
+def fake(*args) -> None:
+    t = tensors(*args)
+    v.devices(NAME, t)
+    v.no_autograd(NAME, t)
+    v.pick(NAME, "k_scale", args[7], args[9])
+    v.pick(NAME, "v_scale", args[8], args[10])
+
+
+def finish(call: AttentionCall, args: tuple) -> None:
+    if call.out is not args[0]:  # a view whose last dim is strided: computed densely, copied back
+        args[0].copy_(call.out)
+
+
+def reference(call: AttentionCall) -> torch.Tensor:
+    return _reference.paged_attention(call.query, call.key_cache, call.value_cache, call.block_tables,
+                                      call.seq_lens, scale=call.scale, k_scale=call.k_scale, v_scale=call.v_scale,
+                                      alibi_slopes=call.alibi_slopes, logits_soft_cap=call.logits_soft_cap,
+                                      sliding_window=call.sliding_window)
+
+
+# The probe's typical decode call (and the shape its dispatch table describes).
+EXAMPLE_SHAPE = dict(num_seqs=4, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, context=1000)
+
+
+def example(device: str, cache_dtype: torch.dtype) -> dict:
+    """A typical decode call on ``device``: pages written by ``hal.cache_kv`` (calibrated scales,
+    shuffled blocks, one spare block), ragged lengths, a NaN-poisoned ``out``."""
+    from hal import api
+    s = EXAMPLE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    nb = s["num_seqs"] * ((s["context"] + s["block_size"] - 1) // s["block_size"]) + 1
+    shape = (nb, s["num_kv_heads"], s["block_size"], s["head_size"])
+    kc = torch.empty(shape, dtype=cache_dtype, device=device)
+    vc = torch.empty_like(kc)
+    tokens = (nb - 1) * s["block_size"]
+    k = torch.randn(tokens, s["num_kv_heads"], s["head_size"], generator=g).to(device)
+    val = torch.randn(tokens, s["num_kv_heads"], s["head_size"], generator=g).to(device)
+    fmax = torch.finfo(cache_dtype).max
+    ks, vs = k.abs().max().item() / fmax, val.abs().max().item() / fmax
+    perm = torch.randperm(nb - 1, generator=g)
+    slots = (perm[:, None] * s["block_size"] + torch.arange(s["block_size"])).reshape(-1).to(device)
+    api.cache_kv(k, val, kc, vc, slots, k_scale=ks, v_scale=vs)
+    per_seq = (s["context"] + s["block_size"] - 1) // s["block_size"]
+    tables = perm[: s["num_seqs"] * per_seq].reshape(s["num_seqs"], per_seq).to(torch.int32).to(device)
+    lens = torch.tensor([s["context"] - 3 * i for i in range(s["num_seqs"])], dtype=torch.int32, device=device)
+    q = torch.randn(s["num_seqs"], s["num_heads"], s["head_size"], generator=g).to(torch.bfloat16).to(device)
+    return dict(query=q, key_cache=kc, value_cache=vc, block_tables=tables, seq_lens=lens, k_scale=ks, v_scale=vs,
+                max_seq_len=s["context"], out=torch.full_like(q, float("nan")))
+
+
+DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
+              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example)
