@@ -15,9 +15,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float | None = None,
                     k_scale=None, v_scale=None, alibi_slopes: torch.Tensor | None = None,
                     logits_soft_cap: float | None = None, sliding_window: int | None = None,
-                    max_seq_len: int | None = None, out: torch.Tensor | None = None,
+                    max_seq_len: int | None = None, query_start_loc: torch.Tensor | None = None,
+                    max_query_len: int | None = None, causal: bool = True, out: torch.Tensor | None = None,
                     pack: str | None = None) -> torch.Tensor:
-    """Decode attention of one query token per sequence over a paged KV cache.
+    """Attention over a paged KV cache: decode (one query token per sequence), or with
+    ``query_start_loc`` several tokens per sequence (prefill, chunked prefill, mixed batches).
 
     Shapes: ``query`` [num_seqs, num_heads, head_size] (fp16/bf16; fp32 on emu);
     ``key_cache``/``value_cache`` [num_blocks, num_kv_heads, block_size, head_size] whose dtype is the
@@ -35,12 +37,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``scale`` defaults to ``head_size ** -0.5``. ``k_scale``/``v_scale``: float, 0-d or
     [num_kv_heads] float32 tensor; None means 1.0 (a MissingScaleWarning once for an FP8 cache).
     ``max_seq_len``: host-side upper bound on ``seq_lens`` (required during CUDA graph capture).
+
+    Several tokens per sequence: ``query`` [total_q, num_heads, head_size]; sequence i owns rows
+    ``query_start_loc[i] .. query_start_loc[i+1]-1`` (int32 [num_seqs + 1], from 0 to total_q);
+    ``seq_lens[i]`` counts the whole context INCLUDING those new tokens (already written with
+    ``hal.cache_kv``); row t of q_len rows sits at position ``p = seq_lens[i] - q_len + t``, and the
+    rules above hold with p in place of ``seq_len - 1`` (causal: keys ``j <= p``; ``causal=False``:
+    every ``j < seq_len``, refused with ALiBi or a window). ``max_query_len``: host-side bound on the
+    row counts (required during CUDA graph capture).
     ``pack``: force a pack by name (also ``HAL_PACK``).
     """
     return _ops.call("paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
                      block_tables=block_tables, seq_lens=seq_lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
                      alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-                     max_seq_len=max_seq_len, out=out, pack=pack)
+                     max_seq_len=max_seq_len, query_start_loc=query_start_loc, max_query_len=max_query_len,
+                     causal=causal, out=out, pack=pack)
 
 
 def cache_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

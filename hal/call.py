@@ -53,6 +53,11 @@ class AttentionCall:
     logits_soft_cap: float | None
     sliding_window: int | None
     max_seq_len: int
+    # several query tokens per sequence: rows query_start_loc[i] .. [i+1]-1 belong to sequence i
+    # (None: one row per sequence, decode); max_query_len is then a host int like max_seq_len
+    query_start_loc: torch.Tensor | None = None
+    max_query_len: int = 1
+    causal: bool = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

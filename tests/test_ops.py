@@ -12,12 +12,12 @@ pytestmark = pytest.mark.emu
 
 
 def _args(case, scale_tensors: bool):
-    out = torch.empty_like(case.query)
-    ks = torch.tensor(case.k_scale) if scale_tensors else None
-    vs = torch.tensor(case.v_scale) if scale_tensors else None
-    return (out, case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-            case.query.shape[-1] ** -0.5, None if scale_tensors else case.k_scale,
-            None if scale_tensors else case.v_scale, ks, vs, None, 30.0, 40, None, None)
+    """The schema's arguments, as the public function builds them (the declaration's translation)."""
+    as_t = (lambda x: torch.tensor(x)) if scale_tensors else (lambda x: x)  # noqa: E731
+    return hal.ops.OPS["paged_attention"].schema_args(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        k_scale=as_t(case.k_scale), v_scale=as_t(case.v_scale), logits_soft_cap=30.0, sliding_window=40,
+        out=torch.empty_like(case.query))
 
 
 def _utils(cache_dtype):

@@ -44,7 +44,7 @@ BAD = {
                   r"key_cache must be dense within each block"),
     "v differs": (lambda c: dict(value_cache=c.value_cache.to(torch.float8_e5m2)),
                   r"value_cache must be the same shape and dtype as key_cache"),
-    "query 2-d": (lambda c: dict(query=c.query[0]), r"query must be 3-d \[num_seqs, num_heads, head_size\]"),
+    "query 2-d": (lambda c: dict(query=c.query[0]), r"query must be 3-d \[total_q, num_heads, head_size\]"),
     "query int": (lambda c: dict(query=c.query.to(torch.int32)), r"query must be float16, bfloat16 or float32; got int32"),
     "head size": (lambda c: dict(query=c.query[..., :32]), r"query must be head_size 64 like the caches"),
     "heads": (lambda c: dict(query=torch.randn(2, 7, 64, dtype=torch.bfloat16)),
@@ -207,11 +207,11 @@ def test_autograd_is_refused_on_every_op(case):
 
 
 def test_a_scale_given_twice_to_the_torch_op_is_an_error(case):
-    out = torch.empty_like(case.query)
+    args = list(hal.ops.OPS["paged_attention"].schema_args(case.query, case.key_cache, case.value_cache,
+                                                           case.block_tables, case.seq_lens, k_scale=0.5))
+    args[9] = torch.tensor(0.25)  # the k_scale tensor slot, beside the float slot's 0.5
     with pytest.raises(hal.ArgumentError, match=r"k_scale was given twice, as the float 0.5 and as a tensor"):
-        torch.ops.hal.paged_attention.default(out, case.query, case.key_cache, case.value_cache, case.block_tables,
-                                              case.seq_lens, 0.125, 0.5, None, torch.tensor(0.25), None, None,
-                                              None, None, None, None)
+        torch.ops.hal.paged_attention.default(*args)
 
 
 def test_strict_raises_every_time_even_after_a_warning(case, monkeypatch):

@@ -18,19 +18,20 @@ NAME = "paged_attention"
 SCHEMA = ("(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale, float? k_scale, float? v_scale, Tensor? k_scale_tensor, "
           "Tensor? v_scale_tensor, Tensor? alibi_slopes, float? logits_soft_cap, int? sliding_window, "
-          "int? max_seq_len, str? pack) -> ()")
+          "int? max_seq_len, Tensor? query_start_loc, int? max_query_len, bool causal, str? pack) -> ()")
 FEATURES = {
     "alibi": "ALiBi slopes",
     "soft_cap": "logits soft-cap",
     "sliding_window": "a sliding window",
     "per_head_scales": "[num_kv_heads] k/v scales",
     "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
+    "varlen": "several query tokens per sequence (query_start_loc: prefill, chunked prefill, mixed batches)",
 }
 
 
 def schema_args(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
                 v_scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None, max_seq_len=None,
-                out=None, pack=None) -> tuple:
+                query_start_loc=None, max_query_len=None, causal=True, out=None, pack=None) -> tuple:
     """The public keywords as the schema's arguments: Python numbers are checked before torch's
     schema coerces them (True -> 1), scales go to their float or tensor slot, ``out`` is allocated."""
     v.tensor(NAME, "query", query)
@@ -42,22 +43,28 @@ def schema_args(query, key_cache, value_cache, block_tables, seq_lens, *, scale=
         logits_soft_cap = v.real(NAME, "logits_soft_cap", logits_soft_cap, "None or a finite float > 0")
     v.integer(NAME, "sliding_window", sliding_window, 1, "no window; else keys at positions >= seq_len - window")
     v.integer(NAME, "max_seq_len", max_seq_len, 0, "read from seq_lens")
+    v.integer(NAME, "max_query_len", max_query_len, 0, "read from query_start_loc")
+    if not isinstance(causal, bool):
+        v.fail(NAME, "causal", "True or False", f"{causal!r} ({type(causal).__name__})")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ks, kst = v.split_scale(NAME, "k_scale", k_scale)
     vs, vst = v.split_scale(NAME, "v_scale", v_scale)
     return (out, query, key_cache, value_cache, block_tables, seq_lens, scale, ks, vs, kst, vst, alibi_slopes,
-            logits_soft_cap, sliding_window, max_seq_len, pack)
+            logits_soft_cap, sliding_window, max_seq_len, query_start_loc, max_query_len, causal, pack)
 
 
 def tensors(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_scale_tensor,
-            v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, pack) -> dict:
+            v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc,
+            max_query_len, causal, pack) -> dict:
     return dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                seq_lens=seq_lens, k_scale=k_scale_tensor, v_scale=v_scale_tensor, alibi_slopes=alibi_slopes)
+                seq_lens=seq_lens, k_scale=k_scale_tensor, v_scale=v_scale_tensor, alibi_slopes=alibi_slopes,
+                query_start_loc=query_start_loc)
 
 
 def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_scale_tensor,
-          v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, pack) -> AttentionCall:
+          v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc, max_query_len,
+          causal, pack) -> AttentionCall:
     """Every argument checked (errors name the argument, what was expected, what was given)."""
     op = NAME
     v.tensor(op, "query", query)
@@ -69,14 +76,19 @@ def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_s
     if query.dtype not in v.QUERY_DTYPES:
         v.fail(op, "query", "float16, bfloat16 or float32", v.desc(query))
     if query.dim() != 3:
-        v.fail(op, "query", "3-d [num_seqs, num_heads, head_size]", v.desc(query))
+        v.fail(op, "query", "3-d [total_q, num_heads, head_size]", v.desc(query))
     v.same_device(op, "query", query, dev)
-    n, h, qd = query.shape
+    total_q, h, qd = query.shape
+    n = total_q if query_start_loc is None else _num_seqs(query_start_loc)
     if qd != d:
         v.fail(op, "query", f"head_size {d} like the caches (last dim)", v.desc(query))
     if h % hkv != 0:
         v.fail(op, "query", f"a number of heads divisible by num_kv_heads={hkv}", f"{h} heads")
 
+    if query_start_loc is not None and isinstance(seq_lens, torch.Tensor) and seq_lens.dim() == 1 \
+            and seq_lens.shape[0] != n:
+        v.fail(op, "query_start_loc", f"[num_seqs + 1] = [{seq_lens.shape[0] + 1}] entries (one more than seq_lens)",
+               v.desc(query_start_loc))
     v.tensor(op, "block_tables", block_tables)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n:
         v.fail(op, "block_tables", f"an int32 [num_seqs={n}, max_blocks_per_seq] tensor", v.desc(block_tables))
@@ -110,6 +122,15 @@ def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_s
         v.fail(op, "max_seq_len", "given while a CUDA graph is being captured (it sizes the split-K "
                "workspace without a device sync)", "None")
 
+    varlen = query_start_loc is not None
+    if varlen:
+        max_query_len = _check_query_start_loc(query_start_loc, total_q, seq_lens, max_query_len, causal,
+                                               alibi_slopes, sliding_window, dev)
+    else:
+        v.integer(op, "max_query_len", max_query_len, 0, "read from query_start_loc")
+        if max_query_len is not None and max_query_len != 1 and total_q:
+            v.fail(op, "max_query_len", "None or 1 without query_start_loc (one row per sequence)", repr(max_query_len))
+        max_query_len = 1
     v.tensor(op, "out", out)
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         v.fail(op, "out", f"like query ({v.desc(query)})", v.desc(out))
@@ -131,14 +152,58 @@ def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_s
     if max_seq_len is None:  # decided once, here, for every pack (one sync on a GPU, never while capturing)
         max_seq_len = 0 if n == 0 else (hi if hi is not None else int(seq_lens.max()))
 
-    key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv,
-                  v.features(alibi_slopes, logits_soft_cap, sliding_window, ks, vs, (key_cache, value_cache)))
+    feats = v.features(alibi_slopes, logits_soft_cap, sliding_window, ks, vs, (key_cache, value_cache))
+    key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv, feats | ({"varlen"} if varlen else set()))
     return AttentionCall(
-        call_key=key, target=target(), geometry=Geometry(n, h, hkv, d, bs, nb, n),
+        call_key=key, target=target(), geometry=Geometry(n, h, hkv, d, bs, nb, total_q),
         out=v.unit_last(out), query=v.unit_last(query), key_cache=key_cache, value_cache=value_cache,
         block_tables=block_tables, seq_lens=seq_lens, scale=scale, k_scale=ks, v_scale=vs,
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
-        max_seq_len=max_seq_len)
+        max_seq_len=max_seq_len, query_start_loc=query_start_loc, max_query_len=max_query_len,
+        causal=causal if varlen else True)
+
+
+def _num_seqs(qsl) -> int:
+    v.tensor(NAME, "query_start_loc", qsl)
+    if qsl.dtype != torch.int32 or qsl.dim() != 1 or qsl.shape[0] < 1:
+        v.fail(NAME, "query_start_loc", "an int32 [num_seqs + 1] tensor (row offsets, starting at 0)", v.desc(qsl))
+    return qsl.shape[0] - 1
+
+
+def _check_query_start_loc(qsl, total_q, seq_lens, max_query_len, causal, alibi_slopes, sliding_window, dev) -> int:
+    """Row offsets: 0 first, non-decreasing, total_q last, each sequence's rows within its length.
+    Values are read on the host only for CPU tensors or under HAL_DEBUG; returns max_query_len."""
+    op = NAME
+    v.same_device(op, "query_start_loc", qsl, dev)
+    v.integer(op, "max_query_len", max_query_len, 0, "read from query_start_loc")
+    if not causal and (alibi_slopes is not None or sliding_window is not None):
+        v.fail(op, "causal", "True with ALiBi or a sliding window (a non-causal window or bias has no agreed "
+               "meaning, so hal does not guess one)", "False")
+    if v.on_host_or_debug(qsl):
+        offs = qsl.to(torch.int64).cpu()
+        q_lens = offs[1:] - offs[:-1]
+        if int(offs[0]) != 0 or bool((q_lens < 0).any()):
+            v.fail(op, "query_start_loc", "non-decreasing row offsets starting at 0", f"{offs.tolist()[:12]}")
+        if int(offs[-1]) != total_q:
+            v.fail(op, "query_start_loc", f"a last entry equal to the query's row count {total_q}", str(int(offs[-1])))
+        if v.on_host_or_debug(seq_lens) and q_lens.numel():
+            over = (q_lens > seq_lens.to(torch.int64).cpu()).nonzero()
+            if over.numel():
+                i = int(over[0])
+                v.fail(op, "query_start_loc", "at most seq_lens[i] rows for sequence i (the new tokens are part of "
+                       "the context, already written by hal.cache_kv)",
+                       f"{int(q_lens[i])} rows for sequence {i} of length {int(seq_lens[i])}")
+        longest = int(q_lens.max()) if q_lens.numel() else 0
+        if max_query_len is not None and longest > max_query_len:
+            v.fail(op, "max_query_len", f">= every sequence's row count (max is {longest})", str(max_query_len))
+        return longest if max_query_len is None else max_query_len
+    if max_query_len is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            v.fail(op, "max_query_len", "given while a CUDA graph is being captured (no device read plans the "
+                   "launch)", "None")
+        offs = qsl.to(torch.int64)
+        return int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 0
+    return max_query_len
 
 
 def fake(*args) -> None:
@@ -155,6 +220,11 @@ def finish(call: AttentionCall, args: tuple) -> None:
 
 
 def reference(call: AttentionCall) -> torch.Tensor:
+    if call.query_start_loc is not None:
+        return _reference.paged_attention_varlen(
+            call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.query_start_loc,
+            causal=call.causal, scale=call.scale, k_scale=call.k_scale, v_scale=call.v_scale,
+            alibi_slopes=call.alibi_slopes, logits_soft_cap=call.logits_soft_cap, sliding_window=call.sliding_window)
     return _reference.paged_attention(call.query, call.key_cache, call.value_cache, call.block_tables,
                                       call.seq_lens, scale=call.scale, k_scale=call.k_scale, v_scale=call.v_scale,
                                       alibi_slopes=call.alibi_slopes, logits_soft_cap=call.logits_soft_cap,

@@ -14,7 +14,7 @@ import pathlib
 import torch
 
 from hal.kernelpacks.cuda import archs
-from hal.pack import Availability, CallKey, OpSupport, Pack, op_features
+from hal.pack import Availability, CallKey, OpSupport, Pack
 from hal.targets import Target
 
 HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)  # csrc/launch.h HAL_CUDA_HEAD_SIZES
@@ -33,7 +33,7 @@ PAGED_ATTENTION = OpSupport(
     head_sizes=HEAD_SIZES,
     block_sizes=BLOCK_SIZES,
     devices=frozenset({"cuda"}),
-    features=op_features("paged_attention") - {"misaligned_cache"},
+    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales"}),  # no varlen yet
     max_gqa_ratio=None,
     cache_dtype_notes=_NOTES,
 )

@@ -1,5 +1,7 @@
-"""Which of the emu pack's two paths runs a call: Triton for GPU tensors when it can compile for
-the device, the PyTorch path otherwise (both take the op's call record, hal.call)."""
+"""Which of the emu pack's paths runs a call: for decode, Triton for GPU tensors when it can compile
+for the device, the PyTorch path otherwise; several query tokens per sequence (``query_start_loc``)
+go to the PyTorch multi-token path on every device (the Triton kernel for them is not written yet).
+Every path takes the op's call record (hal.call)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,10 @@ def _module(device):
 
 
 def paged_attention(call) -> None:
+    if call.query_start_loc is not None:  # several rows per sequence: the PyTorch path, on any device
+        from . import torch_prefill
+        torch_prefill.paged_attention(call)
+        return
     _module(call.query.device).paged_attention(call)
 
 

@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-from hal.pack import Availability, CallKey, OpSupport, Pack, op_features
+from hal.pack import Availability, CallKey, OpSupport, Pack
 from hal.targets import Target
 
 from . import kernels, tuning
@@ -66,7 +66,7 @@ def supports_for(arch: str) -> dict[str, OpSupport]:
     return {
         # 16-byte vector loads: a cache must start, and keep its blocks, on 16-byte boundaries
         "paged_attention": OpSupport(query_dtypes=HALF, head_sizes=kernels.HEAD_SIZES,
-                                     features=op_features("paged_attention") - {"misaligned_cache"},
+                                     features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales"}),  # no varlen yet
                                      max_gqa_ratio=None, **common),
         "cache_kv": OpSupport(query_dtypes=HALF | {torch.float32}, head_sizes=CACHE_KV_HEAD_SIZES,
                               features=frozenset({"per_head_scales"}), **common),
