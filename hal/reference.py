@@ -63,6 +63,67 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     return out
 
 
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, causal=True,
+                           scale=None, k_scale=None, v_scale=None, alibi_slopes=None, logits_soft_cap=None,
+                           sliding_window=None, sequences=None, rows_per_step=256) -> torch.Tensor:
+    """float64 [total_q, num_heads, head_size] on the query's device, for several query tokens per
+    sequence: sequence i owns rows qsl[i] .. qsl[i+1]-1, row t of its q_len rows sits at position
+    p = L - q_len + t; keys j <= p (causal) or j < L, j > p - w with a window w; ALiBi adds
+    slope_h * (j - p) after the soft-cap. One sequence at a time, reading only the pages it uses (the
+    keys its rows can see), ``rows_per_step`` rows at once; rows of sequences not in ``sequences``
+    stay zero. Masked keys take no part at all (their weights are not multiplied by their values)."""
+    dev = query.device
+    q = query.detach().to(torch.float64)
+    total_q, h, d = q.shape
+    hkv, bs = key_cache.shape[1], key_cache.shape[2]
+    g = h // hkv
+    ks, vs = _per_head(k_scale, hkv, dev), _per_head(v_scale, hkv, dev)
+    sm = d ** -0.5 if scale is None else scale
+    lens = seq_lens.cpu().to(torch.int64)
+    qsl = query_start_loc.cpu().to(torch.int64)
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().to(dev, torch.float64)
+    out = torch.zeros((total_q, h, d), dtype=torch.float64, device=dev)
+    for i in (range(len(lens)) if sequences is None else sequences):
+        length, q0 = int(lens[i]), int(qsl[i])
+        q_len = int(qsl[i + 1]) - q0
+        if q_len == 0:
+            continue
+        lo = 0 if sliding_window is None else max(0, length - q_len - sliding_window + 1)
+        pos = torch.arange(lo, length, device=dev)                          # every key some row sees
+        blocks, offs = block_tables[i].to(torch.int64)[pos // bs], pos % bs
+        keys = _rows(key_cache, blocks, offs) * ks[None, :, None]           # [len, hkv, d]
+        vals = _rows(value_cache, blocks, offs) * vs[None, :, None]
+        finite = torch.isfinite(vals)
+        bad = (~finite).any(dim=-1).any(dim=-1).nonzero().reshape(-1)         # keys whose value is inf/NaN
+        vals0 = torch.where(finite, vals, torch.zeros((), dtype=vals.dtype, device=dev))
+        for r0 in range(0, q_len, rows_per_step):
+            r1 = min(r0 + rows_per_step, q_len)
+            p = torch.arange(length - q_len + r0, length - q_len + r1, device=dev)   # [r] positions
+            qi = q[q0 + r0:q0 + r1].view(r1 - r0, hkv, g, d)
+            logits = torch.einsum("rhgd,thd->rhgt", qi, keys) * sm           # [r, hkv, g, len]
+            if logits_soft_cap is not None:
+                logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+            if slopes is not None:
+                rel = (pos[None, :] - p[:, None]).to(torch.float64)            # [r, len]
+                logits = logits + slopes.view(1, hkv, g, 1) * rel[:, None, None, :]
+            keep = torch.ones((r1 - r0, pos.numel()), dtype=torch.bool, device=dev)
+            if causal:
+                keep &= pos[None, :] <= p[:, None]
+            if sliding_window is not None:
+                keep &= pos[None, :] > p[:, None] - sliding_window
+            logits = logits.masked_fill(~keep[:, None, None, :], float("-inf"))
+            w = torch.softmax(logits, dim=-1)
+            res = torch.einsum("rhgt,thd->rhgd", w, vals0)
+            if bad.numel():  # an inf/NaN value reaches exactly the rows that keep its key
+                vb = torch.where(finite[bad], torch.zeros((), dtype=vals.dtype, device=dev), vals[bad])  # [nb, hkv, d]
+                prod = w[..., bad].unsqueeze(-1) * vb.permute(1, 0, 2)[None, :, None]        # [r, hkv, g, nb, d]
+                prod = torch.where(keep[:, bad][:, None, None, :, None], prod,
+                                   torch.zeros((), dtype=prod.dtype, device=dev))
+                res = res + prod.sum(dim=-2)
+            out[q0 + r0:q0 + r1] = res.reshape(r1 - r0, h, d)
+    return out
+
+
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().cpu().to(torch.float64), b.detach().cpu().to(torch.float64)
     denom = b.norm().item()

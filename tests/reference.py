@@ -72,6 +72,54 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     return out
 
 
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, causal=True,
+                           scale=None, k_scale=None, v_scale=None, alibi_slopes=None, logits_soft_cap=None,
+                           sliding_window=None) -> np.ndarray:
+    """float64 [total_q, num_heads, head_size]: several query tokens per sequence.
+
+    Sequence i owns query rows qsl[i] .. qsl[i+1]-1; row t of its q_len rows sits at position
+    p = L - q_len + t (bottom-right aligned). It attends to keys j <= p (causal) or j < L (not
+    causal), and with a window w only to j > p - w. ALiBi adds slope_h * (j - p) after the soft-cap.
+    One row and one head at a time, over exactly the keys it keeps (for q_len 1 the operations of
+    :func:`paged_attention`, so decode rows give its numbers)."""
+    q = query.detach().cpu().to(torch.float64).numpy()
+    total_q, h, d = q.shape
+    kv = cache_values(key_cache)
+    vv = cache_values(value_cache)
+    hkv, bs = kv.shape[1], kv.shape[2]
+    g = h // hkv
+    ks, vs = _per_head(k_scale, hkv), _per_head(v_scale, hkv)
+    sm = d ** -0.5 if scale is None else scale
+    tables = block_tables.cpu().numpy()
+    lens = seq_lens.cpu().numpy()
+    qsl = query_start_loc.cpu().numpy()
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().cpu().to(torch.float64).numpy()
+    out = np.zeros((total_q, h, d))
+    for i in range(len(lens)):
+        L = int(lens[i])
+        q_len = int(qsl[i + 1]) - int(qsl[i])
+        for t in range(q_len):
+            row = int(qsl[i]) + t
+            p = L - q_len + t
+            hi = p + 1 if causal else L
+            lo = 0 if sliding_window is None else max(0, p - sliding_window + 1)
+            positions = np.arange(lo, hi)
+            blocks = tables[i, positions // bs]
+            offsets = positions % bs
+            for head in range(h):
+                kvh = head // g
+                keys = kv[blocks, kvh, offsets] * ks[kvh]      # [len, d]
+                vals = vv[blocks, kvh, offsets] * vs[kvh]
+                logits = keys @ q[row, head] * sm
+                if logits_soft_cap is not None:
+                    logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+                if slopes is not None:
+                    logits = logits + slopes[head] * (positions - p)
+                w = np.exp(logits - logits.max())
+                out[row, head] = (w / w.sum()) @ vals
+    return out
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale=1.0) -> np.ndarray:
     """Reference FP8 write: float32 x / scale, then ml_dtypes' round-to-nearest-even, with the
     saturation hal promises applied explicitly (ml_dtypes itself overflows to NaN/inf)."""
@@ -97,4 +145,4 @@ def max_abs(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) if np.size(a) else 0.0
 
 
-__all__ = ["cache_values", "paged_attention", "quantize", "relative_l2", "max_abs", "math"]
+__all__ = ["cache_values", "paged_attention", "paged_attention_varlen", "quantize", "relative_l2", "max_abs", "math"]
