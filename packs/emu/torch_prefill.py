@@ -6,8 +6,12 @@ Semantics (docs/semantics.md, "Several query tokens per sequence"): sequence ``i
 (bottom-right aligned). Causal keeps keys ``j <= p``, ``causal=False`` every ``j < L``; a window ``w``
 keeps ``j > p - w``; ALiBi adds ``slope_h * (j - p)`` after the soft-cap.
 
-The batch is planned on the host from ``query_start_loc`` and ``seq_lens`` (one small copy of each;
-free on a CPU, one sync elsewhere) and split by ``q_len``:
+Entry points: ``paged_attention(call)`` (a validated ``hal.call.AttentionCall`` with
+``query_start_loc``) and ``paged_attention_varlen(out, query, ..., query_start_loc, max_query_len,
+causal)`` on plain arguments. The batch is planned on the host from ``query_start_loc`` and
+``seq_lens`` (one small copy of each: free on a CPU, one sync on a GPU; ``max_seq_len`` is not
+needed, and ``max_query_len == 1`` with one row per sequence skips reading ``query_start_loc``),
+then split by ``q_len``:
 
 - ``q_len == 1`` (decode rows): batched exactly as ``torch_path.paged_attention`` batches decode
   (the same operations on the same shapes, so the same bits; tested), only with a faster FP8
