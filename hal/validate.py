@@ -109,10 +109,12 @@ def caches(op: str, key_cache, value_cache) -> None:
         for dim, what in ((h, "num_kv_heads"), (bs, "block_size"), (d, "head_size")):
             if dim < 1:
                 fail(op, name, f"[num_blocks, num_kv_heads, block_size, head_size] with {what} >= 1", desc(c))
-        # Blocks may be strided (a combined K/V allocation), each block itself must be dense.
-        if c.stride(3) != 1 or c.stride(2) != d or c.stride(1) != bs * d:
-            fail(op, name, "dense within each block (strides [*, block_size*head_size, head_size, 1])",
-                  f"strides {tuple(c.stride())}")
+        # Any strides for blocks, heads and tokens (a combined K/V allocation; an NHD cache
+        # [num_blocks, block_size, num_kv_heads, head_size] passed as its permute(0, 2, 1, 3) view),
+        # but each token's head_size elements are contiguous: packs load them as vectors.
+        if c.stride(3) != 1 and d > 1:
+            fail(op, name, "contiguous in head_size (stride 1 in the last dim; an NHD cache is passed as its "
+                 "permute(0, 2, 1, 3) view)", f"strides {tuple(c.stride())}")
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         fail(op, "value_cache", f"the same shape and dtype as key_cache ({desc(key_cache)})", desc(value_cache))
     if value_cache.device != key_cache.device:
@@ -170,10 +172,17 @@ def _misaligned(*caches: torch.Tensor) -> bool:
     return any(c.data_ptr() % 16 or (c.stride(0) * c.element_size()) % 16 for c in caches)
 
 
+def _strided(*caches: torch.Tensor) -> bool:
+    """Not HND-dense within each block (e.g. the HND view of an NHD cache)."""
+    return any(c.stride(2) != c.shape[3] or c.stride(1) != c.shape[2] * c.shape[3] for c in caches)
+
+
 def features(alibi_slopes, soft_cap, window, k_scale, v_scale, caches=()) -> frozenset[str]:
     f = set()
     if _misaligned(*caches):
         f.add("misaligned_cache")
+    if _strided(*caches):
+        f.add("strided_cache")
     if alibi_slopes is not None:
         f.add("alibi")
     if soft_cap is not None:

@@ -184,3 +184,40 @@ def test_unread_cache_bytes_contribute_nothing(cache_dtype, device):
     out = _run(case)
     ok, msg = _ok(out, case.reference())
     assert ok, msg
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
+def test_nhd_cache_as_its_hnd_view(cache_dtype, device):
+    """An engine's NHD cache [num_blocks, block_size, num_kv_heads, head_size] passed without a copy
+    as its permute(0, 2, 1, 3) view: cache_kv writes through the strides, attention reads through
+    them, and the result equals the same call on the dense HND copy."""
+    case = make_case(seq_lens=[5, 40, 17], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                     cache_dtype=cache_dtype, device=device)
+    nhd_k = case.key_cache.permute(0, 2, 1, 3).contiguous()  # the engine's allocation
+    nhd_v = case.value_cache.permute(0, 2, 1, 3).contiguous()
+    view_k, view_v = nhd_k.permute(0, 2, 1, 3), nhd_v.permute(0, 2, 1, 3)
+    assert view_k.stride(2) != view_k.shape[3]
+    k = torch.randn(2, 2, 64, device=device)
+    slots = torch.tensor([int(case.block_tables[0, 0]) * 16 + 5, int(case.block_tables[2, 1]) * 16 + 1],
+                         device=device)  # tokens 5 of seq 0 and 17 of seq 2 (their next positions)
+    ks = case.k_scale
+    hal.cache_kv(k, k, view_k, view_v, slots, k_scale=ks, v_scale=case.v_scale, pack="emu")
+    hal.cache_kv(k, k, case.key_cache, case.value_cache, slots, k_scale=ks, v_scale=case.v_scale, pack="emu")
+    assert torch.equal(view_k.contiguous().view(torch.uint8), case.key_cache.view(torch.uint8))
+    case.seq_lens = case.seq_lens + torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
+    want = _run(case)
+    case.key_cache, case.value_cache = view_k, view_v
+    got = _run(case)
+    assert torch.equal(got, want)
+
+
+def test_nhd_view_is_refused_by_packs_that_read_dense_blocks_with_the_reason(monkeypatch):
+    monkeypatch.setenv("HAL_TARGET", "sm_90")
+    case = make_case(seq_lens=[5, 9], head_size=128)
+    view = case.key_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    d = hal.explain(case.query, view, view.clone(memory_format=torch.preserve_format), case.block_tables,
+                    case.seq_lens, k_scale=case.k_scale, v_scale=case.v_scale)
+    assert "strided_cache" in d.key.features and d.pack.NAME == "emu"
+    support = hal.registry.by_name("cuda").supports(d.target)["paged_attention"]
+    assert any("feature 'strided_cache' (caches that are not dense within each block" in r
+               for r in support.reasons(d.key))

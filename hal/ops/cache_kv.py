@@ -16,6 +16,7 @@ SCHEMA = ("(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cac
 FEATURES = {
     "per_head_scales": "[num_kv_heads] k/v scales",
     "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
+    "strided_cache": "caches that are not dense within each block (e.g. an NHD cache's permute(0, 2, 1, 3) view)",
 }
 
 

@@ -25,6 +25,7 @@ FEATURES = {
     "sliding_window": "a sliding window",
     "per_head_scales": "[num_kv_heads] k/v scales",
     "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
+    "strided_cache": "caches that are not dense within each block (e.g. an NHD cache's permute(0, 2, 1, 3) view)",
     "varlen": "several query tokens per sequence (query_start_loc: prefill, chunked prefill, mixed batches)",
 }
 
