@@ -13,7 +13,8 @@ Sources (:func:`load_kv_scales`): a JSON file in vLLM's ``--quantization-param-p
 the per-head / separate k-v extension documented in docs/scales.md), a ``.safetensors`` file, a
 directory of safetensors shards (with or without ``model.safetensors.index.json``), or a directory
 holding a JSON scale file. Where scales live in those sources (file kinds, key spellings, the
-JSON schema) is :mod:`hal.scale_names`.
+JSON schema) are :mod:`hal.scale_names` (the key spellings) and :mod:`hal.scale_files` (the
+readers).
 """
 
 from __future__ import annotations
@@ -21,84 +22,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import pathlib
 from collections.abc import Iterator
 
 import torch
 
+from hal import scale_files
 from hal.fp8 import Encoding, encoding_of, is_fp8
 
 __all__ = ["KVScaleError", "KVScales", "load_kv_scales", "Scale"]
 
 log = logging.getLogger("hal")
 
-Scale = float | torch.Tensor  # per-tensor float, or per-head float32 [num_kv_heads] (on the CPU)
-
-
-class KVScaleError(ValueError):
-    """KV scales are missing, malformed or inconsistent; the message names the file and the key."""
-
-
-def where(file, key: str | None) -> str:
-    """The ``file: key 'k':`` head every message starts with."""
-    return f"{file}: key {key!r}:" if key else f"{file}:"
-
-
-def check_value(raw, file, key: str) -> Scale:
-    """A scale read from ``file`` under ``key`` as a float or a float32 [num_kv_heads] tensor.
-
-    A 0-d tensor or a number is per-tensor; a list or a 1-d tensor is per-head (even of length 1).
-    Refuses zero, negative, NaN and infinite scales (a zero scale divides by zero when writing the
-    cache; sglang PR #27131 shows one sneaking through), and shapes other than scalar or 1-d.
-    """
-    if isinstance(raw, bool) or not isinstance(raw, (int, float, list, torch.Tensor)):
-        raise KVScaleError(f"{where(file, key)} expected a number or a list of numbers (one per KV "
-                           f"head); got {type(raw).__name__} {raw!r}")
-    if isinstance(raw, list):
-        if not raw or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in raw):
-            raise KVScaleError(f"{where(file, key)} expected a non-empty list of numbers (one per KV "
-                               f"head); got {raw!r}")
-        raw = torch.tensor(raw, dtype=torch.float64)
-    if isinstance(raw, torch.Tensor):
-        if not (raw.is_floating_point() and raw.dim() <= 1 and raw.numel() >= 1):
-            raise KVScaleError(f"{where(file, key)} expected a floating-point scalar or a 1-d "
-                               f"[num_kv_heads] tensor; got {str(raw.dtype).removeprefix('torch.')} "
-                               f"of shape {tuple(raw.shape)}")
-        t = raw.detach().to("cpu", torch.float32, copy=True)  # never alias the caller's tensor
-        if t.dim() == 0:
-            raw = float(t)
-        else:
-            bad = [(i, x) for i, x in enumerate(t.tolist()) if not (math.isfinite(x) and x > 0)]
-            if bad:
-                i, x = bad[0]
-                raise KVScaleError(f"{where(file, key)} the per-head scale of head {i} {_problem(x)} "
-                                   f"(expected finite and > 0; got {t.tolist()})")
-            return t
-    f = float(raw)
-    if not (math.isfinite(f) and f > 0):
-        raise KVScaleError(f"{where(file, key)} the scale {_problem(f)} (expected finite and > 0; got {f!r})")
-    f32 = float(torch.tensor(f, dtype=torch.float32))  # what the kernels compute with
-    if not (math.isfinite(f32) and f32 > 0):
-        raise KVScaleError(f"{where(file, key)} the scale {f!r} becomes {f32!r} in float32, which the "
-                           f"kernels compute in (expected a float32 value > 0)")
-    return f
-
-
-def _problem(x: float) -> str:
-    if math.isnan(x):
-        return "is NaN"
-    if math.isinf(x):
-        return "is infinite"
-    return "is zero" if x == 0 else "is negative"
-
-
-def same_scale(a: Scale, b: Scale) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and bool(torch.equal(a, b)))
-    return a == b
+from hal.scale_values import KVScaleError, Scale, check_value, same_scale, where  # noqa: F401  (re-exported)
 
 
 def _peak(s: Scale) -> float:
@@ -293,7 +230,6 @@ def load_kv_scales(source: str | os.PathLike, *, num_layers: int | None = None, 
     encoding the scales were calibrated for; JSON files say it (``kv_cache.dtype``), checkpoints
     default to e4m3fn, which every FP8 exporter (ModelOpt, compressed-tensors, Quark) calibrates for.
     """
-    from hal import scale_names
 
     if on_missing not in ("error", "one"):
         raise KVScaleError(f"on_missing must be 'error' or 'one' (1.0 for absent layers, logged); "
@@ -304,7 +240,7 @@ def load_kv_scales(source: str | os.PathLike, *, num_layers: int | None = None, 
         raise KVScaleError(f"tp_size must be an int > tp_rank={tp_rank}; got {tp_size!r}")
     if num_layers is not None and not (isinstance(num_layers, int) and num_layers > 0):
         raise KVScaleError(f"num_layers must be an int > 0 or None; got {num_layers!r}")
-    found = scale_names.read(pathlib.Path(source).expanduser(), tp_rank=tp_rank, tp_size=tp_size,
+    found = scale_files.read(pathlib.Path(source).expanduser(), tp_rank=tp_rank, tp_size=tp_size,
                                num_layers=num_layers, model_type=model_type)
     if encoding is not None and found.declares_encoding and encoding_of(encoding) != found.encoding:
         raise KVScaleError(

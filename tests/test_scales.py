@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import hal
 import reference
-from hal import fp8, scale_names
+from hal import fp8, scale_files, scale_names
 from hal.scales import KVScaleError, KVScales, load_kv_scales
 
 pytestmark = pytest.mark.emu
@@ -179,7 +179,7 @@ def test_sharded_directory_with_index_reads_only_scale_tensors(tmp_path, monkeyp
     _json(tmp_path / "config.json", {"model_type": "mllama", "text_config": {"model_type": "llama"}})
 
     fetched = []
-    real_safe_open = scale_names.safe_open
+    real_safe_open = scale_files.safe_open
 
     class Recording:
         def __init__(self, *a, **kw):
@@ -199,7 +199,7 @@ def test_sharded_directory_with_index_reads_only_scale_tensors(tmp_path, monkeyp
             fetched.append(key)
             return self._inner.get_tensor(key)
 
-    monkeypatch.setattr(scale_names, "safe_open", Recording)
+    monkeypatch.setattr(scale_files, "safe_open", Recording)
     s = load_kv_scales(tmp_path, num_layers=4, model_type="llama")  # matches text_config.model_type
     assert s.k == (0.5, 1.0, 1.5, 2.0) and s.v == (0.25, 0.5, 0.75, 1.0) and s.model_type == "mllama"
     assert fetched and all("scale" in k for k in fetched) and len(fetched) == 8
