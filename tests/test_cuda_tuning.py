@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hal.bench import tune
+from hal.kernelpacks.cuda import tune
 from hal.kernelpacks.cuda import tuning
 
 
@@ -88,7 +88,7 @@ def test_candidates_are_valid_entries():
 
 
 def test_tune_candidate_grid_from_the_command_line(capsys):
-    from hal.bench import tune
+    from hal.kernelpacks.cuda import tune
     assert tune.candidates((3,), (1, 1.5), (1024,), (0,)) == [
         {"ctas_per_sm": 3, "waves": 1, "min_partition": 1024, "warp_rows": 0},
         {"ctas_per_sm": 3, "waves": 1.5, "min_partition": 1024, "warp_rows": 0}]
@@ -107,7 +107,7 @@ def test_warp_rows_from_the_entry():
 
 
 def test_tune_rejects_negative_warp_rows(capsys):
-    from hal.bench import tune
+    from hal.kernelpacks.cuda import tune
     assert tune.main(["--warp-rows", "-1"]) == 2
     assert "--warp-rows expects numbers >= 0" in capsys.readouterr().out
 

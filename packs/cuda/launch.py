@@ -10,8 +10,8 @@ import functools
 
 import torch
 
-from hal.kernelpacks.cuda import _C
-from hal.kernelpacks.cuda.tuning import shape_class, split, tuning_for, warp_rows
+from . import _C
+from .tuning import shape_class, split, tuning_for, warp_rows
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

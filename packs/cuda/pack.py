@@ -13,7 +13,7 @@ import pathlib
 
 import torch
 
-from hal.kernelpacks.cuda import archs
+from . import archs
 from hal.pack import Availability, CallKey, OpSupport, Pack
 from hal.targets import Target
 
@@ -49,7 +49,7 @@ CACHE_KV = OpSupport(
 
 
 def _module():
-    return importlib.import_module("hal.kernelpacks.cuda._C")
+    return importlib.import_module("._C", __package__)
 
 
 @functools.cache
@@ -97,7 +97,7 @@ class CudaPack(Pack):
                                f"{info['archs']} ({info.get('archs_reason', 'no reason recorded')}); reinstall "
                                f"on this machine, or with HAL_CUDA_ARCHS=all")
             if not reasons:
-                from hal.kernelpacks.cuda.tuning import summary
+                from .tuning import summary
                 info["tuning"] = summary(f"sm_{major}{minor}")
         return Availability(not reasons, tuple(reasons), info)
 

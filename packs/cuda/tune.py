@@ -54,7 +54,7 @@ def score(times: dict[str, list[float]], n: int) -> list[float]:
 def _time_shape(spec: str, kv: torch.dtype, cands: list[dict], timer, device, budget_s: float) -> list[float]:
     """Median time of ``hal.paged_attention`` on the cuda pack for each candidate, on one shape."""
     from hal.bench import data, shapes
-    from hal.kernelpacks.cuda import tuning
+    from . import tuning
 
     import hal
 
@@ -86,7 +86,7 @@ def _time_shape(spec: str, kv: torch.dtype, cands: list[dict], timer, device, bu
 
 
 def tune_class(cls: str, timer, device, budget_s: float, cands: list[dict] | None = None) -> dict:
-    from hal.kernelpacks.cuda import launch, tuning
+    from . import launch, tuning
 
     width, length = cls.split("-")
     kv = WIDTH_DTYPES[width]
@@ -108,7 +108,7 @@ def _stamp_with_history(stamp: dict, old: dict | None) -> dict:
     that chose them (a stamp without ``classes`` covered them all)."""
     if not old:
         return stamp
-    from hal.kernelpacks.cuda.tuning import CLASSES
+    from .tuning import CLASSES
 
     covered = set(stamp["classes"])
     earlier = []
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[red]tools/tune needs an NVIDIA GPU (the cuda pack)[/red]")
         return 2
     from hal.bench.timing import Timer
-    from hal.kernelpacks.cuda import launch, tuning
+    from . import launch, tuning
 
     device = torch.device("cuda", torch.cuda.current_device())
     arch = launch._device_facts(device.index)[1]
