@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from hal import dtypes
 from hal.targets import Target
 
 
@@ -31,7 +32,7 @@ def _feature_text(op: str, feature: str) -> str:
 
 
 def _dtype_name(d: torch.dtype) -> str:
-    return str(d).removeprefix("torch.")
+    return dtypes.name(d)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from hal import dtypes
+
 __all__ = ["KVScaleError", "Scale", "check_value", "same_scale", "where"]
 
 Scale = float | torch.Tensor  # per-tensor float, or per-head float32 [num_kv_heads] (on the CPU)
@@ -40,7 +42,7 @@ def check_value(raw, file, key: str) -> Scale:
     if isinstance(raw, torch.Tensor):
         if not (raw.is_floating_point() and raw.dim() <= 1 and raw.numel() >= 1):
             raise KVScaleError(f"{where(file, key)} expected a floating-point scalar or a 1-d "
-                               f"[num_kv_heads] tensor; got {str(raw.dtype).removeprefix('torch.')} "
+                               f"[num_kv_heads] tensor; got {dtypes.name(raw.dtype)} "
                                f"of shape {tuple(raw.shape)}")
         t = raw.detach().to("cpu", torch.float32, copy=True)  # never alias the caller's tensor
         if t.dim() == 0:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from hal import diagnostics, env
+from hal import diagnostics, dtypes, env
 from hal.fp8 import FP8_DTYPES, encoding_of
 
 QUERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -28,7 +28,7 @@ def fail(op: str, arg: str, expected: str, given: str) -> None:
 
 
 def desc(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} on {t.device}"
+    return f"{dtypes.name(t.dtype)} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
 def tensor(op: str, name: str, t) -> torch.Tensor:
@@ -140,7 +140,7 @@ def scale(op: str, name: str, value, cache: torch.Tensor):
     num_kv_heads = cache.shape[1]
     if value is None:
         if cache.dtype in FP8_DTYPES:
-            msg = (f"hal.{op}: no k_scale/v_scale given for a {str(cache.dtype).removeprefix('torch.')} cache; "
+            msg = (f"hal.{op}: no k_scale/v_scale given for a {dtypes.name(cache.dtype)} cache; "
                    f"using 1.0 (pass calibrated scales, see hal.load_kv_scales)")
             if env.strict():  # before the warn-once check: strict mode raises on every such call
                 raise ArgumentError(msg + " (HAL_STRICT=1 makes this an error)")

@@ -13,9 +13,11 @@ import pathlib
 
 import torch
 
-from . import archs
+from hal import dtypes
 from hal.pack import Availability, CallKey, OpSupport, Pack
 from hal.targets import Target
+
+from . import archs
 
 HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)  # csrc/launch.h HAL_CUDA_HEAD_SIZES
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)        # powers of two: the kernels shift, never divide
@@ -105,8 +107,8 @@ class CudaPack(Pack):
         out = super().reasons(key, target)
         if key.op == "paged_attention" and key.cache_dtype in (torch.float16, torch.bfloat16) \
                 and key.query_dtype != key.cache_dtype:
-            out.append(f"a {str(key.cache_dtype).removeprefix('torch.')} cache needs a query of the same dtype "
-                       f"(got {str(key.query_dtype).removeprefix('torch.')})")
+            out.append(f"a {dtypes.name(key.cache_dtype)} cache needs a query of the same dtype "
+                       f"(got {dtypes.name(key.query_dtype)})")
         return out
 
 

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from hal import dtypes
+
 CLASS_SHAPES = {
     "long": ["64x4096x32x8x128", "16x32768x32x8x128", "32x8192x64x8x128", "4x16384x32x8x128",
              "1x32768x32x8x128", "32x8192x32x8x64:ragged"],
@@ -53,10 +55,10 @@ def score(times: dict[str, list[float]], n: int) -> list[float]:
 
 def _time_shape(spec: str, kv: torch.dtype, cands: list[dict], timer, device, budget_s: float) -> list[float]:
     """Median time of ``hal.paged_attention`` on the cuda pack for each candidate, on one shape."""
-    from hal.bench import data, shapes
-    from . import tuning
-
     import hal
+    from hal.bench import data, shapes
+
+    from . import tuning
 
     prob = data.build(shapes.parse(spec), kv, device)
     kw = {"k_scale": prob.k_scale, "v_scale": prob.v_scale} if prob.k_scale is not None else {}
@@ -96,7 +98,7 @@ def tune_class(cls: str, timer, device, budget_s: float, cands: list[dict] | Non
     pick = min(range(len(cands)), key=lambda i: (scores[i], i))
     current = tuning.tuning_for(launch._device_facts(device.index or 0)[1], cls)
     cur_i = next((i for i, c in enumerate(cands) if c == current), None)
-    return {"class": cls, "kv_dtype": str(kv).removeprefix("torch."), "shapes": list(times),
+    return {"class": cls, "kv_dtype": dtypes.name(kv), "shapes": list(times),
             "candidates": cands, "times_s": times, "scores": scores, "best": cands[pick],
             "best_score": scores[pick], "current": current,
             "current_score": None if cur_i is None else scores[cur_i]}
@@ -155,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("[red]tools/tune needs an NVIDIA GPU (the cuda pack)[/red]")
         return 2
     from hal.bench.timing import Timer
+
     from . import launch, tuning
 
     device = torch.device("cuda", torch.cuda.current_device())

@@ -16,6 +16,7 @@ import pathlib
 
 import torch
 
+from hal import dtypes
 from hal.pack import Availability, CallKey, OpSupport, Pack
 from hal.targets import Target
 
@@ -25,8 +26,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 CODE_OBJECTS = HERE / "codeobjects"
 NATIVE_ARCHS = ("gfx90a", "gfx942")
 DEFAULT_ARCH = "gfx942"                                      # ``SUPPORTS``, and targets with no code here
-FP8 = {"e4m3fnuz": torch.float8_e4m3fnuz, "e5m2fnuz": torch.float8_e5m2fnuz,
-       "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 HALF = frozenset({torch.float16, torch.bfloat16})
 BLOCK_SIZES = tuple(2 ** i for i in range(9))               # 1 .. 256: a token-level block lookup
 CACHE_KV_HEAD_SIZES = tuple(range(4, 513, 4))                # cache_kv writes groups of 4 elements
@@ -46,7 +45,7 @@ _OCP_ON_GFX942 = {torch.float8_e4m3fn: _FN_ON_GFX942, torch.float8_e5m2: _E5M2_O
 
 
 def fp8_dtypes(arch: str) -> frozenset[torch.dtype]:
-    return frozenset(FP8[e] for e in kernels.fp8_encodings(arch))
+    return frozenset(dtypes.parse(e) for e in kernels.fp8_encodings(arch))
 
 
 def declared_arch(target: Target | None) -> str:
@@ -139,7 +138,7 @@ class RocmPack(Pack):
             return [f"op {key.op} is not implemented by the rocm pack"]
         out = support.reasons(key)
         if key.op == "paged_attention" and key.cache_dtype in HALF and key.cache_dtype != key.query_dtype:
-            cache, query = (str(d).removeprefix("torch.") for d in (key.cache_dtype, key.query_dtype))
+            cache, query = (dtypes.name(d) for d in (key.cache_dtype, key.query_dtype))
             out.append(f"a {cache} cache needs a query of the same dtype (the MFMA multiplies cache elements as "
                        f"stored); got a {query} query")
         return out
