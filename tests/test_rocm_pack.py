@@ -54,7 +54,7 @@ def test_one_declaration_per_target(arch, declared):
     """supports(target) is the declaration dispatch checks (and hal-probe shows) for that target."""
     t = parse(arch)
     assert pack.declared_arch(t) == declared and ROCM.supports(t) is pack.supports_for(declared)
-    for cache in (*pack.HALF, *pack.FP8.values()):
+    for cache in (*pack.HALF, *sorted(hal.fp8.FP8_DTYPES, key=str)):
         query = cache if cache in pack.HALF else torch.bfloat16
         for op, support in ROCM.supports(t).items():
             key = CallKey(op, "cuda", query, cache, 128, 16, 8)
