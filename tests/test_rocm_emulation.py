@@ -1,5 +1,5 @@
 """The rocm pack's kernels executed on the CPU: the same HIP sources compiled for the host against an
-emulation of the device facilities they use (csrc/emu_host.h: wave64 lanes as fibers, LDS, barriers,
+emulation of the device facilities they use (csrc/wave64_host.h: wave64 lanes as fibers, LDS, barriers,
 ds_bpermute, MFMA 16x16x16 with the CDNA3 operand layouts, fnuz FP8 conversions), launched through
 the pack's own ops code and argument packing, and compared with the emu pack on the same bytes (and
 with the float64 reference). Both flavours run: gfx942 (hardware fnuz conversions, emulated) and
@@ -29,8 +29,9 @@ ARCHS = ("gfx942", "gfx90a")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def emu(request) -> emulator.Emulator:
-    """The CPU emulation of one arch (module-scoped: each flavour is compiled once)."""
+def sim(request) -> emulator.Emulator:
+    """The CPU wave64 emulation of one arch ("sim": "emu" is the emu pack; module-scoped: each flavour is
+    compiled once)."""
     return _emulation(request.param)
 
 
@@ -90,10 +91,10 @@ def test_every_declared_cache_and_query_dtype(arch):
 
 
 @pytest.mark.parametrize("head_size", kernels.HEAD_SIZES)
-def test_head_sizes(emu, head_size):
-    cache = torch.float8_e4m3fnuz if emu.arch == "gfx942" else torch.float8_e4m3fn
-    check(emu, make_case(seq_lens=[5, 260, 64], head_size=head_size, cache_dtype=cache, query_dtype=torch.float16))
-    check(emu, make_case(seq_lens=[77], head_size=head_size, cache_dtype=torch.bfloat16, query_dtype=torch.bfloat16))
+def test_head_sizes(sim, head_size):
+    cache = torch.float8_e4m3fnuz if sim.arch == "gfx942" else torch.float8_e4m3fn
+    check(sim, make_case(seq_lens=[5, 260, 64], head_size=head_size, cache_dtype=cache, query_dtype=torch.float16))
+    check(sim, make_case(seq_lens=[77], head_size=head_size, cache_dtype=torch.bfloat16, query_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("block_size", pack.BLOCK_SIZES)
@@ -117,29 +118,29 @@ def test_mqa_single_kv_head():
                                           cache_dtype=torch.float8_e5m2))
 
 
-def test_alibi(emu):
-    cache = declared_caches(emu.arch)[-1]
-    check(emu, make_case(seq_lens=LENS, cache_dtype=cache, alibi_slopes=alibi_slopes(8)))
+def test_alibi(sim):
+    cache = declared_caches(sim.arch)[-1]
+    check(sim, make_case(seq_lens=LENS, cache_dtype=cache, alibi_slopes=alibi_slopes(8)))
 
 
-def test_soft_cap(emu):
+def test_soft_cap(sim):
     # unit-variance logits times 8 (scale) so that a cap of 2.0 bends most of them
-    check(emu, make_case(seq_lens=LENS, cache_dtype=torch.float8_e4m3fnuz, logits_soft_cap=2.0, scale=8.0))
+    check(sim, make_case(seq_lens=LENS, cache_dtype=torch.float8_e4m3fnuz, logits_soft_cap=2.0, scale=8.0))
 
 
 @pytest.mark.parametrize("window", [1, 37, 256, 300, 600])
-def test_sliding_window(emu, window):
-    check(emu, make_case(seq_lens=[1, 40, 299, 700, 1000], cache_dtype=torch.bfloat16, sliding_window=window))
+def test_sliding_window(sim, window):
+    check(sim, make_case(seq_lens=[1, 40, 299, 700, 1000], cache_dtype=torch.bfloat16, sliding_window=window))
 
 
-def test_per_head_and_tensor_scales(emu):
+def test_per_head_and_tensor_scales(sim):
     cache = torch.float8_e5m2fnuz
-    check(emu, make_case(seq_lens=LENS, cache_dtype=cache, per_head_scales=True))
-    check(emu, make_case(seq_lens=LENS, cache_dtype=cache, scale_as_tensor=True))
+    check(sim, make_case(seq_lens=LENS, cache_dtype=cache, per_head_scales=True))
+    check(sim, make_case(seq_lens=LENS, cache_dtype=cache, scale_as_tensor=True))
 
 
-def test_everything_at_once(emu):
-    check(emu, make_case(seq_lens=[1, 0, 700, 263], num_heads=36, num_kv_heads=2, head_size=128, block_size=32,
+def test_everything_at_once(sim):
+    check(sim, make_case(seq_lens=[1, 0, 700, 263], num_heads=36, num_kv_heads=2, head_size=128, block_size=32,
                          cache_dtype=torch.float8_e4m3fnuz, query_dtype=torch.bfloat16, per_head_scales=True,
                          alibi_slopes=alibi_slopes(36), logits_soft_cap=30.0, sliding_window=500))
 
@@ -156,14 +157,14 @@ def test_all_empty_and_max_seq_len():
 
 
 @pytest.mark.parametrize("lens", ([37, 0, 21, 5], [600, 0, 300, 5]), ids=("one_partition", "partitions"))
-def test_nan_inputs_give_nan_rows_not_zeros(emu, lens):
+def test_nan_inputs_give_nan_rows_not_zeros(sim, lens):
     """A NaN in the query, a read key or an ALiBi slope gives NaN rows, through one partition and
     through the reduce kernel; only an empty sequence gives zeros. Unread cache bytes are NaN/inf."""
     for where, (case, rows) in nan_input_cases(seq_lens=lens, cache_dtype=torch.float8_e4m3fnuz,
                                                query_dtype=torch.bfloat16).items():
-        out, _ = rocm_attention(emu, case, **case.kwargs)
+        out, _ = rocm_attention(sim, case, **case.kwargs)
         ok, msg = nan_rows_ok(out, case, rows, gpu_tolerance_ok)
-        assert ok, f"{emu.arch} {where}: {msg}"
+        assert ok, f"{sim.arch} {where}: {msg}"
 
 
 def test_interleavings_do_not_change_a_bit():
@@ -305,18 +306,18 @@ def _same_bytes(a, b):
 
 
 @pytest.mark.parametrize("input_dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_cache_kv_bytes_equal_emu(emu, input_dtype):
+def test_cache_kv_bytes_equal_emu(sim, input_dtype):
     gen = torch.Generator().manual_seed(3)
     nb, hkv, bs, d, t = 6, 2, 16, 64, 40
-    for cache_dtype in sorted(pack.supports_for(emu.arch)["cache_kv"].cache_dtypes, key=str):
+    for cache_dtype in sorted(pack.supports_for(sim.arch)["cache_kv"].cache_dtypes, key=str):
         key = (torch.randn(t, hkv, d, generator=gen) * 3).to(input_dtype)
         value = (torch.randn(t, hkv, d, generator=gen) * 3).to(input_dtype)
         slots = torch.randperm(nb * bs, generator=gen)[:t].to(torch.int64)
         slots[::7] = -1  # padding tokens are skipped
         for ks, vs in ((0.02, 0.03), (torch.tensor([0.01, 0.05]), torch.tensor(0.04))):
-            got = _cache_kv_both(emu, cache_dtype, key, value, slots, nb, bs, ks, vs)
+            got = _cache_kv_both(sim, cache_dtype, key, value, slots, nb, bs, ks, vs)
             for a, b in zip(got["rocm"], got["emu"]):
-                assert _same_bytes(a, b), f"{emu.arch} {input_dtype} -> {cache_dtype}"
+                assert _same_bytes(a, b), f"{sim.arch} {input_dtype} -> {cache_dtype}"
 
 
 def _edge_values(dtype) -> torch.Tensor:
@@ -336,17 +337,17 @@ def _edge_values(dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
-def test_cache_kv_fp8_edges_bit_exact(emu, cache_dtype):
+def test_cache_kv_fp8_edges_bit_exact(sim, cache_dtype):
     """Saturation, round-to-nearest-even ties, subnormals, signed zeros (fnuz has no -0), inf and NaN,
     against hal.fp8.encode_bytes. On gfx942 this runs the hardware-instruction path under the
     emulation's least favourable reading of the ISA (no saturation, -0 kept), which the kernel repairs."""
-    if cache_dtype not in pack.supports_for(emu.arch)["cache_kv"].cache_dtypes:
-        pytest.skip(f"{cache_dtype} is not declared for {emu.arch}")
+    if cache_dtype not in pack.supports_for(sim.arch)["cache_kv"].cache_dtypes:
+        pytest.skip(f"{cache_dtype} is not declared for {sim.arch}")
     vals = _edge_values(cache_dtype)
     t = vals.numel() // 64
     key = vals.view(t, 1, 64)
     slots = torch.arange(t, dtype=torch.int64)
-    got = _cache_kv_both(emu, cache_dtype, key, -key, slots, t, 1, 1.0, 1.0)
+    got = _cache_kv_both(sim, cache_dtype, key, -key, slots, t, 1, 1.0, 1.0)
     want = hal.fp8.encode_bytes(vals, cache_dtype)
     assert torch.equal(got["rocm"][0].view(torch.uint8).reshape(-1), want)
     assert torch.equal(got["rocm"][1].view(torch.uint8), got["emu"][1].view(torch.uint8))
@@ -387,7 +388,7 @@ HAL_REGISTER(t_barrier_skipped)
 
 @pytest.fixture(scope="module")
 def test_kernels(tmp_path_factory):
-    src = tmp_path_factory.mktemp("emu") / "t.hip"
+    src = tmp_path_factory.mktemp("wave64") / "t.hip"
     src.write_text(_TEST_KERNELS)
     import shutil
     import subprocess
@@ -395,8 +396,8 @@ def test_kernels(tmp_path_factory):
     if clang is None:
         pytest.skip(testing.compiler_missing())
     lib = src.with_suffix(".so")
-    subprocess.run([clang, *build.HOST_FLAGS, "-DHAL_EMU_FNUZ_HW=1", f"-I{CSRC}", str(src),
-                    f"{CSRC}/emu_host.cpp", "-o", str(lib)], check=True, capture_output=True)
+    subprocess.run([clang, *build.HOST_FLAGS, "-DHAL_WAVE64_FNUZ_HW=1", f"-I{CSRC}", str(src),
+                    f"{CSRC}/wave64_host.cpp", "-o", str(lib)], check=True, capture_output=True)
     return emulator.Emulator(lib)
 
 

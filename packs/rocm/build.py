@@ -37,7 +37,7 @@ BUILD_INFO = "build_info.json"
 CANDIDATES = ("/opt/rocm/llvm/bin/clang++", "clang++-19", "clang++-20", "clang++-21", "clang++-22", "clang++")
 DEVICE_FLAGS = ("-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output", "-nogpuinc", "-nogpulib", "-O3",
                 "-std=c++17", "-Rpass-analysis=kernel-resource-usage")
-HOST_FLAGS = ("-x", "c++", "-std=c++20", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-DHAL_EMU")
+HOST_FLAGS = ("-x", "c++", "-std=c++20", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-DHAL_WAVE64_SIM")
 
 
 class BuildError(RuntimeError):
@@ -164,7 +164,7 @@ def build_code_objects(out_dir, archs=None, clang: str | None = None, log=print,
 
 
 def emulation_library(out_dir, fnuz_hw: bool, clang: str | None = None, csrc=CSRC) -> pathlib.Path:
-    """Compile the same kernel sources for the host against csrc/emu_host.h. ``fnuz_hw``: emulate gfx942
+    """Compile the same kernel sources for the host against csrc/wave64_host.h. ``fnuz_hw``: emulate gfx942
     (hardware fnuz FP8 conversions) rather than gfx90a (software FP8)."""
     path, how = find_clang(clang)
     host = path or shutil.which("clang++")
@@ -173,8 +173,8 @@ def emulation_library(out_dir, fnuz_hw: bool, clang: str | None = None, csrc=CSR
     out = pathlib.Path(out_dir) / f"libhal_rocm_emu_{'gfx942' if fnuz_hw else 'gfx90a'}.so"
     out.parent.mkdir(parents=True, exist_ok=True)
     csrc = pathlib.Path(csrc)
-    cmd = [host, *HOST_FLAGS, f"-DHAL_EMU_FNUZ_HW={int(fnuz_hw)}", f"-I{csrc}", str(csrc / SOURCE),
-           str(csrc / "emu_host.cpp"), "-o", str(out)]
+    cmd = [host, *HOST_FLAGS, f"-DHAL_WAVE64_FNUZ_HW={int(fnuz_hw)}", f"-I{csrc}", str(csrc / SOURCE),
+           str(csrc / "wave64_host.cpp"), "-o", str(out)]
     res = _run(cmd)
     if res.returncode != 0:
         raise BuildError(f"compiling the CPU emulation failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")

@@ -1,5 +1,5 @@
 """Running the rocm pack's kernels on the CPU: the HIP sources compiled for the host against
-``csrc/emu_host.h`` (see docs/rocm.md, "Emulation"), driven by the same :mod:`ops` code and the same
+``csrc/wave64_host.h`` (see docs/rocm.md, "Emulation"), driven by the same :mod:`ops` code and the same
 argument packing (:func:`kernels.pack`) as the HIP launcher."""
 
 from __future__ import annotations
@@ -23,39 +23,39 @@ class Emulator:
     def __init__(self, path):
         self.path = pathlib.Path(path)
         lib = ctypes.CDLL(str(self.path))
-        lib.hal_emu_target.restype = ctypes.c_char_p
-        lib.hal_emu_error.restype = ctypes.c_char_p
-        lib.hal_emu_lds_bytes.restype = ctypes.c_size_t
-        lib.hal_emu_num_kernels.restype = ctypes.c_int
-        lib.hal_emu_kernel_name.restype = ctypes.c_char_p
-        lib.hal_emu_kernel_name.argtypes = [ctypes.c_int]
-        lib.hal_emu_kernarg_size.restype = ctypes.c_long
-        lib.hal_emu_kernarg_size.argtypes = [ctypes.c_char_p]
-        lib.hal_emu_launch.restype = ctypes.c_int
-        lib.hal_emu_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.c_uint, ctypes.c_char_p,
+        lib.hal_wave64_target.restype = ctypes.c_char_p
+        lib.hal_wave64_error.restype = ctypes.c_char_p
+        lib.hal_wave64_lds_bytes.restype = ctypes.c_size_t
+        lib.hal_wave64_num_kernels.restype = ctypes.c_int
+        lib.hal_wave64_kernel_name.restype = ctypes.c_char_p
+        lib.hal_wave64_kernel_name.argtypes = [ctypes.c_int]
+        lib.hal_wave64_kernarg_size.restype = ctypes.c_long
+        lib.hal_wave64_kernarg_size.argtypes = [ctypes.c_char_p]
+        lib.hal_wave64_launch.restype = ctypes.c_int
+        lib.hal_wave64_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.c_uint, ctypes.c_char_p,
                                        ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.c_int,
                                        ctypes.c_uint]
         self._lib = lib
-        self.arch = lib.hal_emu_target().decode()
+        self.arch = lib.hal_wave64_target().decode()
 
     def kernel_names(self) -> list[str]:
-        return sorted(self._lib.hal_emu_kernel_name(i).decode() for i in range(self._lib.hal_emu_num_kernels()))
+        return sorted(self._lib.hal_wave64_kernel_name(i).decode() for i in range(self._lib.hal_wave64_num_kernels()))
 
     def kernarg_size(self, name: str) -> int:
-        return self._lib.hal_emu_kernarg_size(name.encode())
+        return self._lib.hal_wave64_kernarg_size(name.encode())
 
     def lds_bytes(self) -> int:
         """LDS the last launch's workgroups allocated (the emulation's count of __shared__ bytes)."""
-        return self._lib.hal_emu_lds_bytes()
+        return self._lib.hal_wave64_lds_bytes()
 
     def launch(self, name: str, grid, kernarg: bytes, ranges, schedule: int = 0, seed: int = 0) -> None:
         g = (ctypes.c_uint * 3)(*grid)
         flat = [v for r in ranges for v in r]
         rng = (ctypes.c_uint64 * max(1, len(flat)))(*flat)
-        rc = self._lib.hal_emu_launch(name.encode(), g, kernels.THREADS, kernarg, len(kernarg), rng, len(ranges),
+        rc = self._lib.hal_wave64_launch(name.encode(), g, kernels.THREADS, kernarg, len(kernarg), rng, len(ranges),
                                       schedule, seed)
         if rc != 0:
-            raise EmulationError(self._lib.hal_emu_error().decode())
+            raise EmulationError(self._lib.hal_wave64_error().decode())
 
 
 def _range(t: torch.Tensor) -> tuple[int, int]:

@@ -47,5 +47,5 @@ def emulation(csrc: str, arch: str) -> emulator.Emulator:
     """The CPU emulation of ``arch`` ("gfx942": hardware fnuz FP8 conversions; "gfx90a": software)."""
     if arch not in ("gfx942", "gfx90a"):
         raise ValueError(f"the emulation covers gfx942 and gfx90a, not {arch}")
-    lib = build.emulation_library(_tmpdir() / "emu", fnuz_hw=arch == "gfx942", csrc=csrc)
+    lib = build.emulation_library(_tmpdir() / "wave64", fnuz_hw=arch == "gfx942", csrc=csrc)
     return emulator.Emulator(lib)

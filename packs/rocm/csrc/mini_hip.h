@@ -2,7 +2,7 @@
 //
 //  * device: clang's built-in HIP language mode with -nogpuinc -nogpulib (no ROCm headers, no device
 //    libraries); every facility is a __builtin_amdgcn_* builtin (docs/rocm.md, "Build").
-//  * host (HAL_EMU): the same kernel sources compiled as C++ for the CPU against emu_host.h, which
+//  * host (HAL_WAVE64_SIM): the same kernel sources compiled as C++ for the CPU against wave64_host.h, which
 //    emulates a workgroup of wave64 lanes, LDS, barriers, ds_bpermute, MFMA 16x16x16 and the FP8
 //    conversions, so the kernels' indexing and reductions run on the CPU (docs/rocm.md, "Emulation").
 //
@@ -22,12 +22,12 @@ typedef u16 u16x4 __attribute__((ext_vector_type(4)));   // four f16 or bf16 bit
 typedef u32 u32x2 __attribute__((ext_vector_type(2)));
 typedef u32 u32x4 __attribute__((ext_vector_type(4)));
 
-#if defined(HAL_EMU)
-#include "emu_host.h"
+#if defined(HAL_WAVE64_SIM)
+#include "wave64_host.h"
 #else
 
 #if !defined(__HIP_DEVICE_COMPILE__)
-#error "mini_hip.h: compile device code with clang -x hip --cuda-device-only (or define HAL_EMU for the host emulation)"
+#error "mini_hip.h: compile device code with clang -x hip --cuda-device-only (or define HAL_WAVE64_SIM for the host emulation)"
 #endif
 
 typedef _Float16 f16x4 __attribute__((ext_vector_type(4)));
@@ -93,7 +93,7 @@ HAL_DEV u16 hal_f32_to_f16(float x) { return __builtin_bit_cast(u16, (_Float16)x
 template <class T> HAL_DEV T hal_ld(const T* p) { return *p; }
 template <class T> HAL_DEV void hal_st(T* p, T v) { *p = v; }
 
-#endif  // HAL_EMU
+#endif  // HAL_WAVE64_SIM
 
 // ---------------------------------------------------------------------------------------------
 // Shared by both builds.

@@ -1,7 +1,7 @@
 // The host emulation's runtime: fibers for work-items, a cooperative scheduler, barriers, wave-wide
 // instructions (ds_bpermute, MFMA 16x16x16), LDS, checked global memory, FP8 conversions, and the C
-// entry points the Python side calls (hal_emu_*). See emu_host.h and docs/rocm.md ("Emulation").
-#define HAL_EMU 1
+// entry points the Python side calls (hal_wave64_*). See wave64_host.h and docs/rocm.md ("Emulation").
+#define HAL_WAVE64_SIM 1
 #include "mini_hip.h"
 
 #include <ucontext.h>
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace hal_emu {
+namespace hal_wave64 {
 namespace {
 
 constexpr int kWave = 64;
@@ -343,29 +343,29 @@ Registrar::Registrar(const char* name, Invoker invoker, size_t kernarg_size) {
   registry()[name] = {invoker, kernarg_size};
 }
 
-}  // namespace hal_emu
+}  // namespace hal_wave64
 
-using namespace hal_emu;
+using namespace hal_wave64;
 
 extern "C" {
 
-__attribute__((visibility("default"))) const char* hal_emu_target() {
-  return HAL_EMU_FNUZ_HW ? "gfx942" : "gfx90a";
+__attribute__((visibility("default"))) const char* hal_wave64_target() {
+  return HAL_WAVE64_FNUZ_HW ? "gfx942" : "gfx90a";
 }
 
-__attribute__((visibility("default"))) const char* hal_emu_error() { return last_error.c_str(); }
+__attribute__((visibility("default"))) const char* hal_wave64_error() { return last_error.c_str(); }
 
-__attribute__((visibility("default"))) size_t hal_emu_lds_bytes() { return last_lds; }
+__attribute__((visibility("default"))) size_t hal_wave64_lds_bytes() { return last_lds; }
 
-__attribute__((visibility("default"))) int hal_emu_num_kernels() { return (int)registry().size(); }
+__attribute__((visibility("default"))) int hal_wave64_num_kernels() { return (int)registry().size(); }
 
-__attribute__((visibility("default"))) const char* hal_emu_kernel_name(int i) {
+__attribute__((visibility("default"))) const char* hal_wave64_kernel_name(int i) {
   auto it = registry().begin();
   std::advance(it, i);
   return it->first.c_str();
 }
 
-__attribute__((visibility("default"))) long hal_emu_kernarg_size(const char* name) {
+__attribute__((visibility("default"))) long hal_wave64_kernarg_size(const char* name) {
   auto it = registry().find(name);
   return it == registry().end() ? -1 : (long)it->second.second;
 }
@@ -373,8 +373,8 @@ __attribute__((visibility("default"))) long hal_emu_kernarg_size(const char* nam
 // Runs `name` over grid[0] x grid[1] x grid[2] workgroups of `block` work-items. `kernarg` holds the
 // explicit arguments packed as for hipModuleLaunchKernel; `ranges` lists (address, bytes) pairs of
 // every buffer the kernel may touch. schedule: 0 work-items in order, 1 reversed, 2 shuffled (seed).
-// Returns 0, or nonzero with hal_emu_error() describing what went wrong.
-__attribute__((visibility("default"))) int hal_emu_launch(const char* name, const unsigned* grid, unsigned block,
+// Returns 0, or nonzero with hal_wave64_error() describing what went wrong.
+__attribute__((visibility("default"))) int hal_wave64_launch(const char* name, const unsigned* grid, unsigned block,
                                                           const void* kernarg, size_t kernarg_size,
                                                           const uint64_t* ranges, int nranges, int schedule,
                                                           unsigned seed) {

@@ -1,7 +1,7 @@
-// Host emulation of the device facilities in mini_hip.h (included by it when HAL_EMU is defined).
+// Host emulation of the device facilities in mini_hip.h (included by it when HAL_WAVE64_SIM is defined).
 //
 // A launch runs workgroups one after another. A workgroup is 256 fibers (one per work-item, each on its
-// own stack) scheduled cooperatively by emu_host.cpp; a fiber runs until it reaches a synchronisation
+// own stack) scheduled cooperatively by wave64_host.cpp; a fiber runs until it reaches a synchronisation
 // point. What is emulated, and the ISA facts each piece relies on, is documented in docs/rocm.md
 // ("Emulation"); in short:
 //   * hal_syncthreads(): s_barrier; every live work-item of the workgroup must arrive. Work-items that
@@ -23,15 +23,15 @@
 #define HAL_DEV inline
 #define HAL_KERNEL(NAME) extern "C" void NAME
 #define HAL_REGISTER(NAME) \
-  static ::hal_emu::Registrar hal_registrar_##NAME(#NAME, &::hal_emu::invoke<&NAME>, ::hal_emu::kernarg_size(&NAME));
-#define HAL_SHARED(TYPE, NAME) TYPE& NAME = *static_cast<TYPE*>(::hal_emu::lds_alloc(sizeof(TYPE), alignof(TYPE)))
+  static ::hal_wave64::Registrar hal_registrar_##NAME(#NAME, &::hal_wave64::invoke<&NAME>, ::hal_wave64::kernarg_size(&NAME));
+#define HAL_SHARED(TYPE, NAME) TYPE& NAME = *static_cast<TYPE*>(::hal_wave64::lds_alloc(sizeof(TYPE), alignof(TYPE)))
 
-#if !defined(HAL_EMU_FNUZ_HW)
-#error "define HAL_EMU_FNUZ_HW=1 to emulate gfx942 (hardware fnuz FP8) or 0 to emulate gfx90a"
+#if !defined(HAL_WAVE64_FNUZ_HW)
+#error "define HAL_WAVE64_FNUZ_HW=1 to emulate gfx942 (hardware fnuz FP8) or 0 to emulate gfx90a"
 #endif
-#define HAL_FP8_FNUZ_HW HAL_EMU_FNUZ_HW
+#define HAL_FP8_FNUZ_HW HAL_WAVE64_FNUZ_HW
 
-namespace hal_emu {
+namespace hal_wave64 {
 
 u32 tid();
 u32 bid(int dim);
@@ -72,34 +72,34 @@ template <class... A> size_t kernarg_size(void (*)(A...)) {
 }
 template <auto F> void invoke(const char* buf) { call_packed(F, buf); }
 
-}  // namespace hal_emu
+}  // namespace hal_wave64
 
-HAL_DEV u32 hal_tid() { return hal_emu::tid(); }
-HAL_DEV u32 hal_bid_x() { return hal_emu::bid(0); }
-HAL_DEV u32 hal_bid_y() { return hal_emu::bid(1); }
-HAL_DEV u32 hal_bid_z() { return hal_emu::bid(2); }
-HAL_DEV void hal_syncthreads() { hal_emu::syncthreads(); }
+HAL_DEV u32 hal_tid() { return hal_wave64::tid(); }
+HAL_DEV u32 hal_bid_x() { return hal_wave64::bid(0); }
+HAL_DEV u32 hal_bid_y() { return hal_wave64::bid(1); }
+HAL_DEV u32 hal_bid_z() { return hal_wave64::bid(2); }
+HAL_DEV void hal_syncthreads() { hal_wave64::syncthreads(); }
 // The call's source line goes with wave-wide instructions, so lanes at different calls are caught.
-HAL_DEV int hal_bpermute(int byte_addr, int v, int line = __builtin_LINE()) { return hal_emu::bpermute(byte_addr, v, line); }
-HAL_DEV f32x4 hal_mfma_f16(u16x4 a, u16x4 b, f32x4 c, int line = __builtin_LINE()) { return hal_emu::mfma(a, b, c, false, line); }
-HAL_DEV f32x4 hal_mfma_bf16(u16x4 a, u16x4 b, f32x4 c, int line = __builtin_LINE()) { return hal_emu::mfma(a, b, c, true, line); }
+HAL_DEV int hal_bpermute(int byte_addr, int v, int line = __builtin_LINE()) { return hal_wave64::bpermute(byte_addr, v, line); }
+HAL_DEV f32x4 hal_mfma_f16(u16x4 a, u16x4 b, f32x4 c, int line = __builtin_LINE()) { return hal_wave64::mfma(a, b, c, false, line); }
+HAL_DEV f32x4 hal_mfma_bf16(u16x4 a, u16x4 b, f32x4 c, int line = __builtin_LINE()) { return hal_wave64::mfma(a, b, c, true, line); }
 #if HAL_FP8_FNUZ_HW
-template <bool HI> HAL_DEV f32x2 hal_cvt_pk_f32_fp8(u32 w) { return hal_emu::cvt_pk_f32_f8(w, HI, false); }
-template <bool HI> HAL_DEV f32x2 hal_cvt_pk_f32_bf8(u32 w) { return hal_emu::cvt_pk_f32_f8(w, HI, true); }
-template <bool HI> HAL_DEV u32 hal_cvt_pk_fp8_f32(float a, float b, u32 old) { return hal_emu::cvt_pk_f8_f32(a, b, old, HI, false); }
-template <bool HI> HAL_DEV u32 hal_cvt_pk_bf8_f32(float a, float b, u32 old) { return hal_emu::cvt_pk_f8_f32(a, b, old, HI, true); }
+template <bool HI> HAL_DEV f32x2 hal_cvt_pk_f32_fp8(u32 w) { return hal_wave64::cvt_pk_f32_f8(w, HI, false); }
+template <bool HI> HAL_DEV f32x2 hal_cvt_pk_f32_bf8(u32 w) { return hal_wave64::cvt_pk_f32_f8(w, HI, true); }
+template <bool HI> HAL_DEV u32 hal_cvt_pk_fp8_f32(float a, float b, u32 old) { return hal_wave64::cvt_pk_f8_f32(a, b, old, HI, false); }
+template <bool HI> HAL_DEV u32 hal_cvt_pk_bf8_f32(float a, float b, u32 old) { return hal_wave64::cvt_pk_f8_f32(a, b, old, HI, true); }
 #endif
 HAL_DEV float hal_exp2(float x) { return __builtin_exp2f(x); }
-HAL_DEV float hal_f16_to_f32(u16 h) { return hal_emu::f16_to_f32(h); }
-HAL_DEV u16 hal_f32_to_f16(float x) { return hal_emu::f32_to_f16(x); }
+HAL_DEV float hal_f16_to_f32(u16 h) { return hal_wave64::f16_to_f32(h); }
+HAL_DEV u16 hal_f32_to_f16(float x) { return hal_wave64::f32_to_f16(x); }
 
 template <class T> HAL_DEV T hal_ld(const T* p) {
-  hal_emu::check_access(p, sizeof(T), alignof(T), false);
+  hal_wave64::check_access(p, sizeof(T), alignof(T), false);
   T v;
   std::memcpy(&v, p, sizeof(T));
   return v;
 }
 template <class T> HAL_DEV void hal_st(T* p, T v) {
-  hal_emu::check_access(p, sizeof(T), alignof(T), true);
+  hal_wave64::check_access(p, sizeof(T), alignof(T), true);
   std::memcpy(p, &v, sizeof(T));
 }
