@@ -1,8 +1,7 @@
-"""Which of the emu pack's paths runs a call: for decode, Triton for GPU tensors when it can compile
-for the device, the PyTorch path otherwise; several query tokens per sequence (``query_start_loc``)
-go to the PyTorch multi-token path on every device (the Triton kernel for them is not written yet),
-and so do caches that are not dense within each block (an NHD view: the Triton kernels index blocks
-densely).
+"""Which of the emu pack's paths runs a call: Triton for GPU tensors when it can compile for the
+device (triton_path for decode, triton_prefill for several query tokens per sequence), the PyTorch
+paths otherwise (torch_path, torch_prefill); caches that are not dense within each block (an NHD
+view) take the PyTorch paths, because the Triton decode kernel indexes blocks densely.
 Every path takes the op's call record (hal.call)."""
 
 from __future__ import annotations
@@ -24,9 +23,12 @@ def _module(device, *caches):
 
 
 def paged_attention(call) -> None:
-    if call.query_start_loc is not None:  # several rows per sequence: the PyTorch path, on any device
-        from . import torch_prefill
-        torch_prefill.paged_attention(call)
+    if call.query_start_loc is not None:  # several rows per sequence
+        from . import torch_prefill, triton_prefill
+        gpu = call.query.device.type == "cuda" and triton_usable() is None
+        # triton_prefill hands pure-decode batches to triton_path, which indexes blocks densely
+        fast = gpu and _dense_blocks(call.key_cache, call.value_cache)
+        (triton_prefill if fast else torch_prefill).paged_attention(call)
         return
     _module(call.query.device, call.key_cache, call.value_cache).paged_attention(call)
 
