@@ -206,9 +206,14 @@ def test_nhd_cache_as_its_hnd_view(cache_dtype, device):
     assert torch.equal(view_k.contiguous().view(torch.uint8), case.key_cache.view(torch.uint8))
     case.seq_lens = case.seq_lens + torch.tensor([1, 0, 1], dtype=torch.int32, device=device)
     want = _run(case)
+    ref = case.reference()
     case.key_cache, case.value_cache = view_k, view_v
     got = _run(case)
-    assert torch.equal(got, want)
+    if device == "cpu":  # the same path either way: the same bits
+        assert torch.equal(got, want)
+    else:  # GPU: the dense copy runs the Triton path, the strided view the PyTorch path
+        ok, msg = _ok(got, ref)
+        assert ok, msg
 
 
 def test_nhd_view_is_refused_by_packs_that_read_dense_blocks_with_the_reason(monkeypatch):
