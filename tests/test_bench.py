@@ -1,9 +1,12 @@
 """CPU smoke test of hal-bench: tiny shapes through main() with --json; every contender appears,
 every timed row carries its correctness figures, and a wrong or crashing contender is a FAIL row that
-does not stop the run."""
+does not stop the run. Prefill (several query tokens per sequence): the SPEC syntax and sets, the
+dry run (every code path that runs on a CPU; the CUDA-only contenders say why they skip), and the
+inputs given to FlashInfer and FA3, read back the way those kernels read them, against the reference."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -15,6 +18,7 @@ from hal.bench.contenders import Contender, Prepared
 from hal.cli import bench
 
 TINY = ["2x64x4x2x64", "3x100x8x2x64:b32:ragged"]
+PREFILL_TINY = "3x1@40+1x5@20+1x33/4x2x64"
 FAST = ["--device", "cpu", "--reps", "2", "--warmup", "1", "--budget", "0.5", "--kv-dtype", "bf16,e4m3fn"]
 
 
@@ -27,7 +31,7 @@ def _run(tmp_path, *extra):
 
 def test_every_contender_has_a_row_and_a_correctness_figure(tmp_path):
     result = _run(tmp_path)
-    names = [c.name for c in contenders_mod.all_contenders()]
+    names = [c.name for c in contenders_mod.all_contenders() if "decode" in c.ops]
     assert result["device"]["type"] == "cpu" and result["device"]["torch"] == torch.__version__
     assert result["copy_bandwidth"]["gbps"] > 0
     rows = result["rows"]
@@ -75,10 +79,9 @@ def test_wrong_and_crashing_contenders_fail_without_stopping_the_run(tmp_path, m
     known = contenders_mod.all_contenders()
     extra = [Contender(f"bad-{k}", "test", k, _bad(k)) for k in ("raise", "wrong", "partial")]
     monkeypatch.setattr(contenders_mod, "all_contenders", lambda: known + extra)
-    result = _run(tmp_path, "--contenders", "emu-torch,bad-*", "--shapes", TINY[0])
+    result = _run(tmp_path, "--contenders", "emu-torch,bad-*", "--shapes", TINY[0], PREFILL_TINY)
     rows = {(r["shape"], r["kv_dtype"], r["contender"]): r for r in result["rows"]}
-    for kv in ("bf16", "e4m3fn"):
-        base = TINY[0]
+    for kv, base in itertools.product(("bf16", "e4m3fn"), (TINY[0], PREFILL_TINY)):
         assert rows[(base, kv, "emu-torch")]["status"] == "ok"
         assert rows[(base, kv, "torch-sdpa")]["status"] == "ok"  # the baseline is always kept
         r = rows[(base, kv, "bad-raise")]
@@ -138,3 +141,191 @@ def test_flashinfer_layout_describes_the_same_problem():
         out[i] = torch.einsum("hgt,thd->hgd", w, v).reshape(h, d)
     ref = check.Reference(p)
     assert check.worst_rel_l2(out, ref.f32) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+def test_prefill_specs_and_sets():
+    from hal.bench import prefill
+
+    s = shapes.parse("64x1@4096+2x1024/32x8x128:b64")
+    assert isinstance(s, prefill.PrefillShape) and s.op == "prefill"
+    assert (s.num_heads, s.num_kv_heads, s.head_size, s.block_size, s.batch, s.gqa) == (32, 8, 128, 64, 66, 4)
+    assert [(g.count, g.q, g.context) for g in s.groups] == [(64, (1, 1), (4096, 4096)), (2, (1024, 1024), (0, 0))]
+    assert s.spec == "64x1@4096+2x1024/32x8x128:b64" and not s.ragged
+    r = shapes.parse("16x100-3000@0-50/32x8x128:b16")
+    assert r.spec == "16x100-3000@0-50/32x8x128" and r.ragged and r.groups[0].q == (100, 3000)
+    assert shapes.parse("8x2048/32x8x128").spec == "8x2048/32x8x128"
+    for bad in ("8x2048/32x8", "8x2048/30x8x128", "8/32x8x128", "8x0/32x8x128", "2x30-10/4x2x64",
+                "8x2048/32x8x128:ragged", "8x2048//32x8x128"):
+        with pytest.raises(ValueError):
+            shapes.parse(bad)
+    # the prefill issue's shapes: bf16 and FP8 both run them; head 128, GQA 4, block 16
+    main = shapes.resolve(["prefill"])
+    assert [x.spec for x in main] == list(shapes.PREFILL) and len(main) == 4
+    assert all((x.head_size, x.gqa, x.block_size) == (128, 4, 16) for x in main)
+    extra = shapes.resolve(["prefill-extra"])
+    assert {x.head_size for x in extra} >= {64, 128, 256} and {x.gqa for x in extra} >= {1, 4, 8}
+    assert {x.block_size for x in extra} == {16, 64}
+    assert len(shapes.resolve(["prefill", "prefill-sweep"])) == len(shapes.SETS["prefill-sweep"])
+    # decode and prefill shapes mix in one list
+    assert [x.op for x in shapes.resolve(["tiny", "prefill-tiny"])] == ["decode"] * 2 + ["prefill"] * 5
+
+
+def test_prefill_problem_rows_lengths_and_flop():
+    from hal.bench import prefill
+
+    p = prefill.build(shapes.parse("2x1@30+1x20-30@5+3x4-9/4x2x64:b8"), torch.float8_e4m3fn, "cpu", seed=2)
+    assert p.q_lens[:2] == [1, 1] and p.lens[:2] == [31, 31]
+    assert p.q_lens[2] == 30 and p.lens[2] == 35                   # a range's first sequence takes its top
+    assert p.q_lens[3:5] == [9, 4] and all(4 <= q <= 9 for q in p.q_lens[3:])  # ... and its second the bottom
+    assert p.lens[3:] == p.q_lens[3:]                              # no cached context
+    assert p.starts == [0, 1, 2, 32, 41, 45, 45 + p.q_lens[5]] and p.query.shape == (p.total_q, 4, 64)
+    assert p.query_start_loc.tolist() == p.starts and p.seq_lens.tolist() == p.lens
+    # keys attended, counted one row at a time: row t of q rows over L - q cached tokens sees L - q + t + 1
+    brute = sum(L - q + t + 1 for q, L in zip(p.q_lens, p.lens) for t in range(q))
+    assert p.keys_attended() == brute and p.flop() == 4 * 4 * 64 * brute
+    used = torch.cat([p.block_tables[i, :p.pages(i)] for i in range(len(p.lens))])
+    assert used.unique().numel() == used.numel() and not torch.equal(used.sort().values, used)
+    b = p.bytes_moved()
+    assert b["kv"] == 2 * sum(p.lens) * 2 * 64 and b["query"] == b["output"] == p.total_q * 4 * 64 * 2
+
+
+def test_dry_run_exercises_every_path_that_runs_on_a_cpu(tmp_path):
+    """``--dry-run``: the tiny decode and prefill sets, checked and timed; what needs CUDA says so."""
+    path = tmp_path / "dry.json"
+    threads = torch.get_num_threads()
+    try:  # one thread: a busy neighbour stalls OpenMP threads (docs/bench.md), and only paths count here
+        assert bench.main(["--dry-run", "--device", "cpu", "--threads", "1", "--json", str(path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(path.read_text())
+    assert result["complete"] is True
+    rows, problems = result["rows"], result["problems"]
+    specs = {x.spec: x for x in shapes.resolve(["tiny", "prefill-tiny"])}
+    assert {p["shape"]["spec"] for p in problems} == set(specs) and all(p["reference_ok"] for p in problems)
+    assert result["matmul"]["tflops"] > 0 and result["copy_bandwidth"]["gbps"] > 0
+    assert result["settings"]["reps"] == 2
+    known = contenders_mod.all_contenders()
+    for prob in problems:
+        op = prob["op"]
+        mine = [r for r in rows if (r["shape"], r["kv_dtype"]) == (prob["shape"]["spec"], prob["kv_dtype"])]
+        assert [r["contender"] for r in mine] == [c.name for c in known if op in c.ops]
+        by = {r["contender"]: r for r in mine}
+        for name in ("hal", "emu-torch", contenders_mod.BASELINE):   # what must run on a CPU
+            r = by[name]
+            assert r["status"] == "ok", r
+            assert r["err_f64"] <= r["tolerance"] and r["err_all"] <= r["tolerance"] and r["time_us"] > 0
+            if op == "prefill":
+                assert r["flop"] == prob["flop"] and r["TFLOPs"] > 0 and r["fraction_of_matmul"] > 0
+            else:
+                assert r["flop"] is None and r["fraction_of_copy"] > 0
+        assert by["hal"]["note"] == "dispatched to emu"
+        cuda_only = ("emu-triton", "flashinfer-prefill", "fa3", "fa3-fp8") if op == "prefill" else \
+            ("emu-triton", "flashinfer-tc", "flashinfer-cc")
+        for name in cuda_only:
+            assert by[name]["status"] == "skip" and "GPU" in by[name]["reason"], by[name]
+    prefill_rows = [r for r in rows if r["op"] == "prefill"]
+    assert {r["kv_dtype"] for r in prefill_rows} == {"bf16", "e4m3fn"}
+    fp8_rows = [r for r in prefill_rows if r["contender"] == "fa3-fp8"]
+    assert fp8_rows and all(r["tolerance"] is None for r in fp8_rows)   # skipped: no check ran
+
+
+def _varlen_causal(q, k, v, cu_q, cu_k, scale, hkv):
+    """Causal (bottom-right) varlen attention in float64 over packed K/V, the way FA3 reads it."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    h, d = q.shape[1], q.shape[2]
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        nq, L = q1 - q0, k1 - k0
+        qi = q[q0:q1].view(nq, hkv, h // hkv, d)
+        s = torch.einsum("rhgd,thd->rhgt", qi, k[k0:k1]) * scale
+        keep = torch.arange(L)[None, :] <= (torch.arange(nq) + L - nq)[:, None]
+        w = torch.softmax(s.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
+        out[q0:q1] = torch.einsum("rhgt,thd->rhgd", w, v[k0:k1]).reshape(nq, h, d)
+    return out
+
+
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn])
+def test_fa3_inputs_describe_the_same_problem(kv):
+    """The packed K/V, cu_seqlens and descales given to FA3 (a GPU-only kernel), computed with FA3's
+    semantics here, give the reference output: bf16 mode within the bf16 tolerance, FP8 mode (Q
+    quantized, its descales applied; no P rounding here) well within its own."""
+    from hal.bench import prefill, prefill_baselines
+
+    p = prefill.build(shapes.parse("2x1@30+1x9@7+1x20/8x2x64:b8"), kv, "cpu", seed=4)
+    ref = prefill.PrefillReference(p)
+    modes = [False] + ([True] if kv == torch.float8_e4m3fn else [])
+    for fp8_mode in modes:
+        (q, k, v, cu_q, cu_k, mq, mk), kw, _ = prefill_baselines.fa3_args(p, fp8_mode)
+        assert (mq, mk) == (max(p.q_lens), max(p.lens)) and kw["causal"] and kw["softmax_scale"] == p.scale
+        assert k.shape == (sum(p.lens), 2, 64) and cu_k.tolist()[-1] == sum(p.lens) and cu_q is p.query_start_loc
+        qf, kf, vf = (x.to(torch.float64) for x in (q, k, v))
+        if fp8_mode:
+            assert q.dtype == k.dtype == v.dtype == torch.float8_e4m3fn and kw["q_descale"].shape == (4, 2)
+            qf = qf * kw["q_descale"][0, 0].item()
+            kf, vf = kf * kw["k_descale"][0, 0].item(), vf * kw["v_descale"][0, 0].item()
+        else:
+            assert q.dtype == k.dtype == v.dtype == torch.bfloat16
+        out = _varlen_causal(qf, kf, vf, cu_q, cu_k, kw["softmax_scale"], 2)
+        err = ref.check(out.to(torch.bfloat16)).err_f64
+        assert err < (prefill_baselines.FA3_FP8_TOLERANCE / 3 if fp8_mode else ref.tolerance), (fp8_mode, err)
+
+
+def test_flashinfer_prefill_layout_describes_the_same_problem():
+    """qo_indptr (= query_start_loc) and the NHD pages FlashInfer's prefill wrapper is planned with,
+    read back as FlashInfer reads them (causal: the query rows are the last tokens), give the reference."""
+    from hal.bench import baselines, prefill
+
+    p = prefill.build(shapes.parse("2x1@40+1x12@20+1x17/8x2x64"), torch.float8_e4m3fn, "cpu", seed=6)
+    lay = baselines._fi_layout(p)
+    bs, hkv, d = p.shape.block_size, p.shape.num_kv_heads, p.shape.head_size
+    ks, vs, cu_k = [], [], [0]
+    for i in range(len(p.lens)):
+        pages = lay["indices"][lay["indptr"][i]:lay["indptr"][i + 1]].long()
+        length = (len(pages) - 1) * bs + int(lay["last_page_len"][i])
+        assert length == p.lens[i]
+        ks.append(lay["k"][pages].reshape(-1, hkv, d)[:length].to(torch.float64) * p.k_scale)
+        vs.append(lay["v"][pages].reshape(-1, hkv, d)[:length].to(torch.float64) * p.v_scale)
+        cu_k.append(cu_k[-1] + length)
+    out = _varlen_causal(p.query.to(torch.float64), torch.cat(ks), torch.cat(vs), p.query_start_loc.tolist(),
+                         cu_k, p.scale, hkv)
+    ref = prefill.PrefillReference(p)
+    assert check_rel(out, ref.f32) < 1e-5
+
+
+def check_rel(a, b):
+    from hal.bench import check
+    return check.worst_rel_l2(a, b)
+
+
+def test_prefill_reference_judges_per_row_and_takes_a_tolerance_override():
+    """One wrong row among many fails the check (per-row errors, not per-sequence); a contender's own
+    tolerance (FA3's FP8 mode) replaces the dtype's."""
+    from hal.bench import prefill
+
+    p = prefill.build(shapes.parse("1x40@10/4x2x64"), torch.bfloat16, "cpu")
+    ref = prefill.PrefillReference(p)
+    good = ref.f32.to(torch.bfloat16)
+    assert ref.check(good).ok
+    bad = good.clone()
+    bad[17] *= 1.1                                     # one row of 40 off by 10%
+    v = ref.check(bad)
+    assert not v.ok and 0.05 < v.err_f64 < 0.2
+    assert ref.check(bad, tolerance=0.2).ok
+    assert "float64 on all sequences" in ref.describe() and ref.ref_ok
+
+
+def test_partial_results_after_every_problem(tmp_path):
+    """The run hands its result so far to ``partial`` after each problem (the CLI rewrites its JSON
+    with it), so a run stopped by a time limit keeps what it measured."""
+    from hal.bench import runner
+
+    seen = []
+    opts = runner.Options(device=torch.device("cpu"), reps=2, warmup=1, budget_s=0.2)
+    chosen = contenders_mod.select(["emu-torch"])
+    result = runner.run(opts, shapes.resolve([PREFILL_TINY, TINY[0]]), [torch.bfloat16], chosen,
+                        partial=lambda r: seen.append((r["complete"], len(r["problems"]), len(r["rows"]))))
+    assert seen == [(False, 1, 2), (False, 2, 4)]
+    assert result["complete"] and result["matmul"]["tflops"] > 0
+    assert [r["op"] for r in result["rows"]] == ["prefill"] * 2 + ["decode"] * 2

@@ -1,13 +1,17 @@
 """What the benchmark compares. Each contender turns a problem into a callable that computes the
-decode attention output (``Prepared``) or raises :class:`~hal.bench.baselines.Skip` with the reason
-it cannot run it here.
+attention output (``Prepared``) or raises :class:`~hal.bench.baselines.Skip` with the reason it
+cannot run it here. A contender serves decode problems, prefill problems (hal.bench.prefill), or
+both (``ops``); a problem gets a row from every selected contender that serves its op.
 
 * ``hal``: the public call with automatic dispatch (``hal.paged_attention``; validation included),
   the note says which pack it picked.
 * ``hal:NAME``: every other pack hal knows (``hal.packs()``), forced with ``pack=NAME``.
 * ``emu-torch`` / ``emu-triton``: the emu pack's two paths called directly (no validation, no
   dispatch): ``hal.kernelpacks.emu.torch_path`` / ``.triton_path``.
-* ``torch-sdpa``, ``flashinfer-tc``, ``flashinfer-cc``: the baselines (:mod:`hal.bench.baselines`).
+* ``torch-sdpa``, ``flashinfer-tc``, ``flashinfer-cc``: the decode baselines (:mod:`hal.bench.baselines`).
+* prefill: ``torch-sdpa`` (dense K/V), ``flashinfer-prefill``, ``fa3``, ``fa3-fp8``
+  (:mod:`hal.bench.prefill_baselines`); ``emu-torch`` is the emu pack's multi-token PyTorch path
+  (``torch_prefill``), ``emu-triton`` its multi-token Triton path where the tree has one.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from collections.abc import Callable
 import torch
 
 import hal
-from hal.bench import baselines
+from hal.bench import baselines, prefill_baselines
 from hal.bench.baselines import Skip
 from hal.bench.check import emu_runner
 from hal.bench.data import Problem
+from hal.bench.prefill import emu_call_record
+
+DECODE, PREFILL = "decode", "prefill"
+BOTH = frozenset({DECODE, PREFILL})
 
 
 @dataclasses.dataclass
@@ -39,6 +47,11 @@ class Contender:
     kind: str                           # "hal" | "emu path" | "baseline"
     what: str
     setup: Callable[[Problem, dict], Prepared]
+    ops: frozenset = BOTH               # which problems it serves: "decode", "prefill"
+    tolerance: float | None = None      # overrides the check's dtype tolerance (rounds to FP8 on purpose)
+
+    def serves(self, p) -> bool:
+        return getattr(p, "op", DECODE) in self.ops
 
 
 def _hal(pack: str | None):
@@ -49,8 +62,11 @@ def _hal(pack: str | None):
                 raise Skip(f"no pack named {pack!r} in this build")
             if not known[pack].availability.ok:
                 raise Skip("unavailable: " + "; ".join(known[pack].availability.reasons))
+        varlen = {}
+        if p.op == PREFILL:
+            varlen = dict(query_start_loc=p.query_start_loc, max_query_len=p.max_query_len, causal=True)
         decision = hal.explain(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, scale=p.scale,
-                               k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len, pack=pack)
+                               k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len, pack=pack, **varlen)
         if decision.pack is None:
             reasons = [r for v in decision.verdicts if v.kind in ("rejected", "unavailable") for r in v.reasons]
             raise Skip("cannot serve this call: " + ("; ".join(dict.fromkeys(reasons)) or "no pack fits"))
@@ -58,7 +74,8 @@ def _hal(pack: str | None):
             (" (fallback)" if decision.fallback else "")
         out = torch.empty_like(p.query)
         q, kc, vc, bt, sl = p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens
-        kw = dict(scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len, out=out, pack=pack)
+        kw = dict(scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len, out=out, pack=pack,
+                  **varlen)
 
         def run():
             hal.paged_attention(q, kc, vc, bt, sl, **kw)
@@ -68,9 +85,37 @@ def _hal(pack: str | None):
 
 
 def _emu_torch(p: Problem, opts: dict) -> Prepared:
-    from hal.kernelpacks.emu import torch_path
     out = torch.empty_like(p.query)
+    if p.op == PREFILL:
+        from hal.kernelpacks.emu import torch_prefill
+        call = emu_call_record(p, out)
+        return Prepared(lambda: torch_prefill.paged_attention(call), out, "torch_prefill")
+    from hal.kernelpacks.emu import torch_path
     return Prepared(emu_runner(torch_path, out, p), out)
+
+
+# where the emu pack's multi-token Triton path lives (module, function taking the call record)
+EMU_TRITON_VARLEN = (("hal.kernelpacks.emu.triton_prefill", "paged_attention"),
+                     ("hal.kernelpacks.emu.triton_path", "paged_attention_varlen"))
+
+
+def _emu_triton_varlen(p: Problem) -> Prepared:
+    import importlib.util
+    for name, fn in EMU_TRITON_VARLEN:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            continue
+        module = importlib.import_module(name)
+        if hasattr(module, fn):
+            out = torch.empty_like(p.query)
+            call = emu_call_record(p, out)
+            impl = getattr(module, fn)
+            return Prepared(lambda impl=impl, call=call: impl(call), out, f"{name.rsplit('.', 1)[1]}.{fn}")
+    raise Skip("the emu pack has no multi-token Triton path in this tree; looked for "
+               + ", ".join(f"{m.rsplit('.', 1)[1]}.{f}" for m, f in EMU_TRITON_VARLEN))
 
 
 def _emu_triton(p: Problem, opts: dict) -> Prepared:
@@ -80,6 +125,8 @@ def _emu_triton(p: Problem, opts: dict) -> Prepared:
     why = emu_pack.triton_usable()
     if why:
         raise Skip(f"Triton path not usable: {why}")
+    if p.op == PREFILL:
+        return _emu_triton_varlen(p)
     name = "hal.kernelpacks.emu.triton_path"
     try:
         module = importlib.import_module(name)
@@ -92,7 +139,17 @@ def _emu_triton(p: Problem, opts: dict) -> Prepared:
 
 
 def _torch_sdpa(p: Problem, opts: dict) -> Prepared:
+    if p.op == PREFILL:
+        run, out, note = prefill_baselines.torch_sdpa(p)
+        return Prepared(run, out, note)
     return Prepared(baselines.torch_sdpa(p))
+
+
+def _prefill_baseline(fn, with_opts: bool = False):
+    def setup(p: Problem, opts: dict) -> Prepared:
+        run, out, note = fn(p, bool(opts.get("flashinfer_jit"))) if with_opts else fn(p)
+        return Prepared(run, out, note)
+    return setup
 
 
 def _flashinfer(tensor_cores: bool):
@@ -114,11 +171,19 @@ def all_contenders() -> list[Contender]:
     out += [
         Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch),
         Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton),
-        Contender(BASELINE, "baseline", "plain PyTorch: padded gather + cast/scale + SDPA (GQA)", _torch_sdpa),
+        Contender(BASELINE, "baseline", "plain PyTorch: decode: padded gather + cast/scale + SDPA (GQA) timed; "
+                  "prefill: SDPA (causal, bottom-right) on dense K/V gathered before timing", _torch_sdpa),
         Contender("flashinfer-tc", "baseline", "FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores",
-                  _flashinfer(True)),
+                  _flashinfer(True), ops=frozenset({DECODE})),
         Contender("flashinfer-cc", "baseline", "FlashInfer BatchDecodeWithPagedKVCacheWrapper, CUDA cores",
-                  _flashinfer(False)),
+                  _flashinfer(False), ops=frozenset({DECODE})),
+        Contender("flashinfer-prefill", "baseline", "FlashInfer BatchPrefillWithPagedKVCacheWrapper, fa2, causal",
+                  _prefill_baseline(prefill_baselines.flashinfer_prefill, True), ops=frozenset({PREFILL})),
+        Contender("fa3", "ceiling", "FlashAttention-3 (fa3-fwd) varlen, bf16, contiguous K/V",
+                  _prefill_baseline(prefill_baselines.fa3_bf16), ops=frozenset({PREFILL})),
+        Contender("fa3-fp8", "ceiling", "FlashAttention-3 (fa3-fwd) varlen, FP8 Q/K/V with descales, contiguous K/V",
+                  _prefill_baseline(prefill_baselines.fa3_fp8), ops=frozenset({PREFILL}),
+                  tolerance=prefill_baselines.FA3_FP8_TOLERANCE),
     ]
     return out
 

@@ -61,6 +61,8 @@ class Problem:
     v_scale: float | None
     extra: dict = dataclasses.field(default_factory=dict)  # per-problem caches of contenders (layouts)
 
+    op = "decode"   # PrefillProblem (hal.bench.prefill) says "prefill"
+
     @property
     def device(self) -> torch.device:
         return self.query.device

@@ -1,4 +1,5 @@
-"""Rendering a run: a rich table (the copy bandwidth first), the JSON file, a PNG plot."""
+"""Rendering a run: a rich table (the copy bandwidth and, with prefill shapes, the matmul ceiling
+first), the JSON file, a PNG plot."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def render(result: dict, console: Console) -> None:
     console.print(f"[bold]hal-bench[/] on {dev['type']}: {dev.get('name', '')} (torch {dev['torch']}, "
                   f"hal {dev['hal']})")
     console.print(f"[bold]copy bandwidth: {copy['gbps']:.1f} GB/s[/] ({copy['method']})")
+    mm = result.get("matmul")
+    if mm:
+        console.print(f"[bold]matmul: {mm['tflops']:.2f} TFLOP/s[/] ({mm['method']})")
     load = result.get("load_average") or {}
     if dev["type"] == "cpu" and load.get("before"):
         console.print(f"[dim]load average (1/5/15 min) before {load['before']}, after {load['after']} on "
@@ -36,12 +40,19 @@ def render(result: dict, console: Console) -> None:
     for r in rows:
         reasons.setdefault(r["contender"], set()).add(r["reason"] if r["status"] == "skip" else None)
     skipped_everywhere = {c: next(iter(rs)) for c, rs in reasons.items() if len(rs) == 1 and None not in rs}
+    ops = {r.get("op", "decode") for r in rows}
+    decode_cols, prefill_cols = "decode" in ops, "prefill" in ops
     table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
-    for col, kw in (("shape", {}), ("kv", {}), ("contender", {}), ("status", {}),
-                    ("time µs", {"justify": "right"}), ("host µs", {"justify": "right"}), ("GB/s", {"justify": "right"}),
-                    ("of copy", {"justify": "right"}), (f"vs {s['baseline']}", {"justify": "right"}),
-                    ("err all", {"justify": "right"}), ("err f64", {"justify": "right"}),
-                    ("note / reason", {"overflow": "fold", "max_width": 60})):
+    right = {"justify": "right"}
+    cols = [("shape", {"overflow": "fold", "max_width": 28}), ("kv", {}), ("contender", {}), ("status", {}),
+            ("time µs", right), ("host µs", right)]
+    if decode_cols:
+        cols += [("GB/s", right), ("of copy", right)]
+    if prefill_cols:
+        cols += [("TFLOP/s", right), ("of mm", right)]
+    cols += [(f"vs {s['baseline']}", right), ("err all", right), ("err f64", right),
+             ("note / reason", {"overflow": "fold", "max_width": 60})]
+    for col, kw in cols:
         table.add_column(col, **kw)
     previous = None
     for r in rows:
@@ -53,23 +64,32 @@ def render(result: dict, console: Console) -> None:
         first = key != previous
         previous = key
         speed = r["speedup_vs_baseline"]
-        table.add_row(
-            r["shape"] if first else "", r["kv_dtype"] if first else "", r["contender"],
-            Text(r["status"], style=STATUS_STYLE.get(r["status"], "")),
-            _f(r["time_us"], ",.1f"), _f(r.get("host_us"), ",.0f"), _f(r["GBps"], ".2f"), _f(r["fraction_of_copy"], ".3f"),
-            "" if speed is None else f"{speed:.2f}x",
-            _f(r["err_all"], ".1e"), _f(r["err_f64"], ".1e"),
-            " ".join(x for x in (r["note"], r["reason"]) if x))
+        pre = r.get("op") == "prefill"
+        cells = [r["shape"] if first else "", r["kv_dtype"] if first else "", r["contender"],
+                 Text(r["status"], style=STATUS_STYLE.get(r["status"], "")),
+                 _f(r["time_us"], ",.1f"), _f(r.get("host_us"), ",.0f")]
+        if decode_cols:
+            cells += ["", ""] if pre else [_f(r["GBps"], ".2f"), _f(r["fraction_of_copy"], ".3f")]
+        if prefill_cols:
+            cells += [_f(r.get("TFLOPs"), ".3g"), _f(r.get("fraction_of_matmul"), ".3g")] if pre else ["", ""]
+        cells += ["" if speed is None else f"{speed:.2f}x", _f(r["err_all"], ".1e"), _f(r["err_f64"], ".1e"),
+                  " ".join(x for x in (r["note"], r["reason"]) if x)]
+        table.add_row(*cells)
     console.print(table)
     for name, why in skipped_everywhere.items():
         console.print(f"[dim]{name}: skipped on every problem: {why}[/]")
     tol = sorted({r["tolerance"] for r in result["rows"] if r["tolerance"] is not None})
-    console.print(
-        f"[dim]time: median of the timed reps after warm-up ({s['timer']}, caches flushed between calls); "
-        f"GB/s: bytes the op must move (KV referenced + query + output + block table + seq_lens) / time; "
-        f"of copy: GB/s / copy bandwidth. Checked before timing: err all = worst per-sequence relative L2 "
-        f"error vs the emu torch path in float32 (every sequence), err f64 = the same vs float64 on a subset "
-        f"of sequences; tolerance {', '.join(f'{t:.0e}' for t in tol) or '-'}. A FAIL row is not timed.[/]")
+    legend = f"[dim]time: median of the timed reps after warm-up ({s['timer']}, caches flushed between calls); "
+    if decode_cols:
+        legend += ("GB/s: bytes the op must move (KV referenced + query + output + block table + seq_lens) / time; "
+                   "of copy: GB/s / copy bandwidth; ")
+    if prefill_cols:
+        legend += ("TFLOP/s: 4 x heads x head_size x (sum over query rows of the keys each attends) / time; "
+                   "of mm: TFLOP/s / the bf16 matmul's; ")
+    legend += (f"Checked before timing: err all = worst per-sequence (decode) or per-row (prefill) relative L2 "
+               f"error vs the emu torch path in float32 (every sequence), err f64 = the same vs float64 on a subset "
+               f"of sequences; tolerance {', '.join(f'{t:.2g}' for t in tol) or '-'}. A FAIL row is not timed.[/]")
+    console.print(legend)
     for prob in result["problems"]:
         if not prob.get("reference_ok", True) or prob.get("error"):
             console.print(f"[red]{prob['shape']['spec']} {prob['kv_dtype']}: "
@@ -92,18 +112,24 @@ def plot(result: dict, path: str | Path) -> tuple[Path | None, str]:
         import matplotlib.pyplot as plt
     except Exception as exc:  # ImportError or a broken backend
         return None, f"plot skipped: matplotlib is not importable ({type(exc).__name__}: {exc})"
-    ok = [r for r in result["rows"] if r["status"] == "ok" and r["fraction_of_copy"] is not None]
+    def fraction(r):  # decode: of the copy bandwidth; prefill: of the matmul's TFLOP/s
+        return r.get("fraction_of_matmul") if r.get("op") == "prefill" else r.get("fraction_of_copy")
+
+    ok = [r for r in result["rows"] if r["status"] == "ok" and fraction(r) is not None]
     if not ok:
         return None, "plot skipped: no timed rows"
     groups = list(dict.fromkeys(f"{r['shape']}\n{r['kv_dtype']}" for r in ok))
     names = list(dict.fromkeys(r["contender"] for r in ok))
-    frac = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): r["fraction_of_copy"] for r in ok}
+    frac = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): fraction(r) for r in ok}
+    ops = {r.get("op", "decode") for r in ok}
+    frac_label = " / ".join(x for x, o in (("fraction of copy bandwidth", "decode"), ("fraction of matmul TFLOP/s",
+                                                                                      "prefill")) if o in ops)
     speed = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): r["speedup_vs_baseline"] for r in ok
              if r["speedup_vs_baseline"]}
     width = 0.8 / max(1, len(names))
     fig, axes = plt.subplots(2, 1, sharex=True,
                              figsize=(max(7.0, 0.3 * len(groups) * max(2, len(names)) + 2), 7.5))
-    for ax, values, label in ((axes[0], frac, "fraction of copy bandwidth"),
+    for ax, values, label in ((axes[0], frac, frac_label),
                               (axes[1], speed, f"speed-up vs {result['settings']['baseline']}")):
         for j, name in enumerate(names):
             xs = [i + (j - (len(names) - 1) / 2) * width for i, g in enumerate(groups) if (g, name) in values]
@@ -117,8 +143,10 @@ def plot(result: dict, path: str | Path) -> tuple[Path | None, str]:
     axes[1].set_xticks(range(len(groups)))
     axes[1].set_xticklabels(groups, fontsize=7, rotation=30 if len(groups) > 6 else 0)
     dev = result["device"]
+    mm = result.get("matmul")
     axes[0].set_title(f"hal-bench on {dev.get('name', dev['type'])}: copy bandwidth "
-                      f"{result['copy_bandwidth']['gbps']:.0f} GB/s", fontsize=9)
+                      f"{result['copy_bandwidth']['gbps']:.0f} GB/s"
+                      + (f", bf16 matmul {mm['tflops']:.1f} TFLOP/s" if mm else ""), fontsize=9)
     axes[0].legend(fontsize=7, ncol=min(4, len(names)))
     fig.tight_layout()
     path = Path(path)

@@ -1,6 +1,8 @@
-"""One benchmark run: the copy bandwidth first, then for every shape x KV dtype a fresh problem,
-its reference, and every contender checked, then timed. Nothing here raises for a contender: a
-contender that cannot run is a ``skip`` row, one that errors or is wrong a ``FAIL`` row."""
+"""One benchmark run: the copy bandwidth first (and, when there are prefill shapes, a bf16 matrix
+product's TFLOP/s: prefill's ceiling), then for every shape x KV dtype a fresh problem, its
+reference, and every contender that serves the problem's op (decode or prefill) checked, then
+timed. Nothing here raises for a contender: a contender that cannot run is a ``skip`` row, one that
+errors or is wrong a ``FAIL`` row."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 import hal
-from hal.bench import check, data, timing
+from hal.bench import check, data, prefill, timing
 from hal.bench.baselines import Skip
 from hal.bench.contenders import BASELINE, Contender
 from hal.bench.shapes import Shape
@@ -73,12 +75,17 @@ def _loadavg() -> list[float] | None:
 
 
 def _row(shape: Shape, kv: torch.dtype, c: Contender, **kw) -> dict:
-    row = {"shape": shape.spec, "kv_dtype": data.dtype_name(kv), "contender": c.name, "kind": c.kind,
+    row = {"shape": shape.spec, "op": shape.op, "kv_dtype": data.dtype_name(kv), "contender": c.name, "kind": c.kind,
            "status": "skip", "reason": "", "note": "", "time_us": None, "time_us_min": None, "host_us": None, "reps": 0,
-           "bytes": None, "GBps": None, "fraction_of_copy": None, "speedup_vs_baseline": None,
+           "bytes": None, "GBps": None, "fraction_of_copy": None, "flop": None, "TFLOPs": None,
+           "fraction_of_matmul": None, "speedup_vs_baseline": None,
            "err_all": None, "err_f64": None, "max_abs_err": None, "tolerance": None}
     row.update(kw)
     return row
+
+
+def _lens(xs: list[int]):
+    return xs if len(xs) <= 64 else {"min": min(xs), "max": max(xs), "mean": sum(xs) / len(xs), "count": len(xs)}
 
 
 def _sync(device: torch.device) -> None:
@@ -109,10 +116,11 @@ def check_contender(c: Contender, p: data.Problem, ref: check.Reference, opts: O
         if out is None:
             return _row(p.shape, kv, c, status="FAIL", reason="returned no output", note=prepared.note), None
         phase = "check"
-        v = ref.check(out)
+        v = ref.check(out, tolerance=c.tolerance)
         del out, result
         row = _row(p.shape, kv, c, status="ok" if v.ok else "FAIL", reason=v.reason, err_all=v.err_all,
-                   err_f64=v.err_f64, max_abs_err=v.max_abs, tolerance=ref.tolerance, note=prepared.note)
+                   err_f64=v.err_f64, max_abs_err=v.max_abs,
+                   tolerance=ref.tolerance if c.tolerance is None else c.tolerance, note=prepared.note)
         return row, (prepared if v.ok else None)
     except Skip as why:
         return _row(p.shape, kv, c, status="skip", reason=str(why)), None
@@ -126,8 +134,9 @@ def check_contender(c: Contender, p: data.Problem, ref: check.Reference, opts: O
 
 
 def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contender], timer: timing.Timer,
-                opts: Options, copy_gbps: float, progress: Callable[[str], None]) -> list[dict]:
-    """Check every contender, then time those that passed, in turns."""
+                opts: Options, copy_gbps: float, progress: Callable[[str], None], matmul_tflops: float = 0.0) -> list[dict]:
+    """Check every contender that serves the problem's op, then time those that passed, in turns."""
+    contenders = [c for c in contenders if c.serves(p)]
     label = f"{p.shape.spec} {data.dtype_name(p.kv_dtype)}"
     rows, runs = [], {}
     for c in contenders:
@@ -140,6 +149,7 @@ def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contende
     progress(f"{label}: timing {', '.join(runs)}")
     timings = timer.interleaved(runs, reps=opts.reps, warmup=opts.warmup, budget_s=opts.budget_s)
     nbytes = p.bytes_moved()["total"]
+    flop = p.flop() if p.op == "prefill" else None
     for row in rows:
         t = timings.get(row["contender"])
         if t is None:
@@ -150,6 +160,9 @@ def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contende
         gbps = nbytes / t.median_s / 1e9
         row.update(time_us=t.median_s * 1e6, time_us_min=t.min_s * 1e6, host_us=t.host_median_s * 1e6, reps=t.reps, bytes=nbytes, GBps=gbps,
                    fraction_of_copy=gbps / copy_gbps if copy_gbps else None)
+        if flop is not None:
+            tflops = flop / t.median_s / 1e12
+            row.update(flop=flop, TFLOPs=tflops, fraction_of_matmul=tflops / matmul_tflops if matmul_tflops else None)
     base = next((r for r in rows if r["contender"] == BASELINE and r["time_us"]), None)
     for r in rows:
         if base and r["time_us"]:
@@ -158,7 +171,10 @@ def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contende
 
 
 def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], contenders: list[Contender],
-        progress: Callable[[str], None] = lambda s: None) -> dict:
+        progress: Callable[[str], None] = lambda s: None,
+        partial: Callable[[dict], None] | None = None) -> dict:
+    """The whole run's result. ``partial`` (if given) receives the result so far after every
+    problem (the CLI rewrites its JSON file with it, so a run cut short keeps what it measured)."""
     dev = opts.device
     started = time.time()
     load_before = _loadavg()
@@ -168,51 +184,82 @@ def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], conten
     except Exception as exc:  # noqa: BLE001 - the timings still mean something without it
         copy = timing.CopyBandwidth(0.0, 0, 0.0, f"copy measurement failed: {_short(exc)}")
     progress(f"copy bandwidth {copy.gbps:.1f} GB/s ({copy.method})")
+    matmul = None
+    if any(s.op == "prefill" for s in shapes):
+        progress("measuring bf16 matrix-product TFLOP/s")
+        try:
+            matmul = timing.matmul_tflops(dev)
+        except Exception as exc:  # noqa: BLE001
+            matmul = timing.Matmul(0.0, 0, "", 0.0, f"matmul measurement failed: {_short(exc)}")
+        progress(f"matmul {matmul.tflops:.2f} TFLOP/s ({matmul.method})")
     timer = timing.Timer(dev, flush=opts.flush)
     rows: list[dict] = []
     problems: list[dict] = []
+
+    def result(complete: bool = True) -> dict:
+        return {
+            "tool": "hal-bench",
+            "complete": complete,
+            "device": device_info(dev),
+            "copy_bandwidth": copy.as_dict(),
+            "matmul": matmul.as_dict() if matmul else None,
+            "settings": {"reps": opts.reps, "warmup": opts.warmup, "budget_s_per_row": opts.budget_s,
+                         "seed": opts.seed, "query_dtype": data.dtype_name(opts.query_dtype),
+                         "cache_flush_bytes": timer.flush_bytes, "baseline": BASELINE,
+                         "timer": "CUDA events" if dev.type == "cuda" else "time.perf_counter",
+                         "check": check.__doc__.split("What is checked, per problem:")[1].strip(),
+                         "check_prefill": " ".join(prefill.PrefillReference.__doc__.split()) if matmul else None},
+            "contenders": [{"name": c.name, "kind": c.kind, "what": c.what, "ops": sorted(c.ops)} for c in contenders],
+            "problems": problems,
+            "rows": rows,
+            "elapsed_s": time.time() - started,
+            # CPU timings on a shared machine are only as good as its quiet: the 1-minute load average
+            # before and after the run (None where the OS has none)
+            "load_average": {"before": load_before, "after": _loadavg()},
+        }
+
     for shape in shapes:
         for kv in kv_dtypes:
             label = f"{shape.spec} {data.dtype_name(kv)}"
-            progress(f"{label}: building data ({data.kv_gib(shape, kv):.2f} GiB of KV) and the reference")
+            pre = shape.op == "prefill"
+            gib = prefill.kv_gib(shape, kv) if pre else data.kv_gib(shape, kv)
+            progress(f"{label}: building data ({gib:.2f} GiB of KV) and the reference")
             p = ref = None
             try:
-                p = data.build(shape, kv, dev, query_dtype=opts.query_dtype, seed=opts.seed)
-                ref = check.Reference(p, seed=opts.seed)
+                if pre:
+                    p = prefill.build(shape, kv, dev, query_dtype=opts.query_dtype, seed=opts.seed)
+                    ref = prefill.PrefillReference(p, seed=opts.seed)
+                else:
+                    p = data.build(shape, kv, dev, query_dtype=opts.query_dtype, seed=opts.seed)
+                    ref = check.Reference(p, seed=opts.seed)
             except Exception as exc:  # noqa: BLE001
                 why = f"problem setup: {_short(exc)}"
                 progress(f"{label}: {why}")
-                rows += [_row(shape, kv, c, status="FAIL", reason=why) for c in contenders]
+                rows += [_row(shape, kv, c, status="FAIL", reason=why) for c in contenders
+                         if shape.op in c.ops]
                 problems.append({"shape": shape.as_dict(), "kv_dtype": data.dtype_name(kv), "error": why})
                 del p, ref
                 _free(dev)
+                if partial is not None:
+                    partial(result(complete=False))
                 continue
-            problems.append({
-                "shape": shape.as_dict(), "kv_dtype": data.dtype_name(kv),
-                "query_dtype": data.dtype_name(p.query.dtype), "seq_lens": p.lens if len(p.lens) <= 64 else
-                {"min": min(p.lens), "max": max(p.lens), "mean": sum(p.lens) / len(p.lens)},
+            entry = {
+                "shape": shape.as_dict(), "op": shape.op, "kv_dtype": data.dtype_name(kv),
+                "query_dtype": data.dtype_name(p.query.dtype), "seq_lens": _lens(p.lens),
                 "num_blocks": p.key_cache.shape[0], "k_scale": p.k_scale, "v_scale": p.v_scale,
                 "bytes": p.bytes_moved(), "reference": ref.describe(), "reference_error": ref.ref_err,
                 "reference_ok": ref.ref_ok, "f64_subset": ref.subset, "tolerance": ref.tolerance,
-            })
-            rows += run_problem(p, ref, contenders, timer, opts, copy.gbps, progress)
+            }
+            if pre:
+                entry.update(q_lens=_lens(p.q_lens), total_q=p.total_q, keys_attended=p.keys_attended(),
+                             flop=p.flop())
+            problems.append(entry)
+            rows += run_problem(p, ref, contenders, timer, opts, copy.gbps, progress,
+                                matmul.tflops if matmul else 0.0)
             p.extra.clear()
             del p, ref
             _free(dev)
-    return {
-        "tool": "hal-bench",
-        "device": device_info(dev),
-        "copy_bandwidth": copy.as_dict(),
-        "settings": {"reps": opts.reps, "warmup": opts.warmup, "budget_s_per_row": opts.budget_s,
-                     "seed": opts.seed, "query_dtype": data.dtype_name(opts.query_dtype),
-                     "cache_flush_bytes": timer.flush_bytes, "baseline": BASELINE,
-                     "timer": "CUDA events" if dev.type == "cuda" else "time.perf_counter",
-                     "check": check.__doc__.split("What is checked, per problem:")[1].strip()},
-        "contenders": [{"name": c.name, "kind": c.kind, "what": c.what} for c in contenders],
-        "problems": problems,
-        "rows": rows,
-        "elapsed_s": time.time() - started,
-        # CPU timings on a shared machine are only as good as its quiet: the 1-minute load average
-        # before and after the run (None where the OS has none)
-        "load_average": {"before": load_before, "after": _loadavg()},
-    }
+            if partial is not None:
+                partial(result(complete=False))
+
+    return result()

@@ -1,8 +1,11 @@
-"""Problem shapes for the benchmark: ``BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bN][:ragged]``.
+"""Problem shapes for the benchmark.
 
-``CONTEXT`` is every sequence's length (the longest one with ``:ragged``, where the lengths are drawn
-at random between CONTEXT/16 and CONTEXT, the first sequence at CONTEXT). ``:bN`` sets the block
-(page) size, 16 by default.
+Decode: ``BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bN][:ragged]``. ``CONTEXT`` is every sequence's
+length (the longest one with ``:ragged``, where the lengths are drawn at random between CONTEXT/16
+and CONTEXT, the first sequence at CONTEXT). ``:bN`` sets the block (page) size, 16 by default.
+
+Prefill (several query tokens per sequence; a SPEC with a ``/``):
+``GROUP[+GROUP...]/QHEADSxKVHEADSxHEADSIZE[:bN]``, GROUP = ``NxQ[@C]``; see :mod:`hal.bench.prefill`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class Shape:
     block_size: int = DEFAULT_BLOCK
     ragged: bool = False
 
+    op = "decode"
+
     @property
     def gqa(self) -> int:
         return self.num_heads // self.num_kv_heads
@@ -37,18 +42,23 @@ class Shape:
         return s
 
     def as_dict(self) -> dict:
-        return {"spec": self.spec, **dataclasses.asdict(self)}
+        return {"spec": self.spec, "op": self.op, **dataclasses.asdict(self)}
 
 
 _SPEC = re.compile(r"^(\d+)x(\d+)x(\d+)x(\d+)x(\d+)((?::[a-z0-9]+)*)$")
 
 
-def parse(spec: str) -> Shape:
-    """A :class:`Shape` from ``64x4096x32x8x128``, ``64x4096x32x8x128:b64``, ``...:ragged``."""
+def parse(spec: str):
+    """A :class:`Shape` from ``64x4096x32x8x128``, ``64x4096x32x8x128:b64``, ``...:ragged``; a
+    :class:`hal.bench.prefill.PrefillShape` from a prefill SPEC (one with a ``/``)."""
+    if "/" in spec:
+        from hal.bench import prefill
+        return prefill.parse(spec)
     m = _SPEC.match(spec.strip().lower())
     if not m:
         raise ValueError(f"shape {spec!r} is not understood: expected BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE"
-                         f"[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16, or a set name ({', '.join(SETS)})")
+                         f"[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16, a prefill SPEC (GROUP[+GROUP]/QHEADSxKVHEADSxHEADSIZE, "
+                         f"e.g. 4x1024@8192/32x8x128), or a set name ({', '.join(SETS)})")
     batch, context, h, hkv, d = (int(m.group(i)) for i in range(1, 6))
     block, ragged = DEFAULT_BLOCK, False
     for opt in filter(None, m.group(6).split(":")):
@@ -68,6 +78,12 @@ def parse(spec: str) -> Shape:
 # The cuda pack issue's shapes (block 16, shuffled pages).
 ISSUE = ("64x4096x32x8x128", "16x32768x32x8x128", "256x1024x32x8x128", "32x8192x64x8x128")
 
+# The prefill issue's shapes: 8 fresh prefills of 2048 tokens; chunked prefill (1024 new tokens over
+# 8192 cached); a mixed batch (64 decode rows at 4096 context + 2 prefills of 1024); 16 ragged prefills.
+PREFILL = ("8x2048/32x8x128", "4x1024@8192/32x8x128", "64x1@4096+2x1024/32x8x128", "16x100-3000/32x8x128")
+PREFILL_EXTRA = ("8x2048/32x8x64", "8x2048/32x8x256", "8x2048/32x32x128", "8x2048/64x8x128",
+                 "4x1024@8192/32x8x128:b64", "64x1@4096+2x1024/32x8x128:b64")
+
 SETS: dict[str, tuple[str, ...]] = {
     "issue": ISSUE,
     "sweep": ISSUE + (
@@ -82,6 +98,16 @@ SETS: dict[str, tuple[str, ...]] = {
     ),
     # small enough to finish in seconds on a 2-core CPU (emu torch path vs the PyTorch baseline)
     "cpu": ("4x1024x32x8x128", "8x512x16x4x64", "8x1024x32x8x128:ragged", "2x4096x32x4x128:b64"),
+    # seconds on a CPU: every decode code path (uniform, ragged, block 32)
+    "tiny": ("2x64x4x2x64", "3x100x8x2x64:b32:ragged"),
+    # prefill (hal/bench/prefill.py): head 128, 32 query heads over 8 KV heads, block 16
+    "prefill": PREFILL,
+    # the cuda issue's further prefill shapes: head 64 / 256, GQA 1 / 8, block 64
+    "prefill-extra": PREFILL_EXTRA,
+    "prefill-sweep": PREFILL + PREFILL_EXTRA,
+    # seconds on a CPU: fresh, chunked, mixed (decode + short + long rows), ragged, block 8/32, head 128
+    "prefill-tiny": ("2x40/4x2x64", "2x12@50/8x2x64:b8", "3x1@40+1x5@20+1x33/4x2x64", "4x3-30@0-20/4x1x64:b32",
+                     "1x24@8/4x2x128"),
 }
 
 

@@ -1,5 +1,6 @@
 """Timing: CUDA events on a GPU (L2 flushed before every timed call), ``time.perf_counter`` on the CPU
-(the last-level cache flushed the same way); and the device's copy bandwidth, measured the same way.
+(the last-level cache flushed the same way); the device's copy bandwidth (decode's ceiling) and a
+bf16 matrix product's TFLOP/s (prefill's ceiling), measured the same way.
 
 The flush *reads* a buffer several times the cache: that evicts what the op read and leaves the
 cache holding clean lines. A flush that writes leaves the cache full of dirty lines, which the timed
@@ -153,3 +154,34 @@ def copy_bandwidth(device: torch.device, buffer_bytes: int | None = None, reps: 
     return CopyBandwidth(2 * size / t.median_s / 1e9, size, t.median_s,
                          f"{'device-to-device' if cuda else 'host'} dst.copy_(src) of {size >> 20} MiB, "
                          f"median of {t.reps}, read+write bytes")
+
+
+@dataclasses.dataclass
+class Matmul:
+    tflops: float          # 2 n^3 / median time, 1e12 FLOP per second
+    n: int
+    dtype: str
+    median_s: float
+    method: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def matmul_tflops(device: torch.device, n: int | None = None, reps: int | None = None) -> Matmul:
+    """The ceiling prefill is compared with: ``torch.matmul(a, b, out=c)`` of two n x n bf16 matrices
+    of N(0, 1) values (random data: zeros run faster), 2 n^3 FLOP over the median time. GPU: n = 8192,
+    CUDA events (the H200 gives ~790 TFLOP/s); CPU: n = 1024, perf_counter."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    reps = reps or (10 if cuda else 5)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn((n, n), generator=gen, device=device).to(torch.bfloat16)
+    b = torch.randn((n, n), generator=gen, device=device).to(torch.bfloat16)
+    c = torch.empty((n, n), dtype=torch.bfloat16, device=device)
+    timer = Timer(device, flush=False)
+    t = timer.run(lambda: torch.matmul(a, b, out=c), reps=reps, warmup=3)
+    del a, b, c
+    return Matmul(2 * n ** 3 / t.median_s / 1e12, n, "bf16", t.median_s,
+                  f"torch.matmul of two {n}x{n} bf16 matrices (random values), median of {t.reps}")

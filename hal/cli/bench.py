@@ -1,9 +1,12 @@
 """hal-bench: time every available hal pack and the baselines side by side, each checked first.
 
-    hal-bench [--shapes issue|sweep|cpu|SPEC ...] [--kv-dtype bf16,e4m3fn] [--device cpu|cuda]
-              [--reps N] [--json PATH] [--plot PATH] [--contenders NAME|GLOB ...]
+    hal-bench [--shapes issue|sweep|cpu|prefill|prefill-extra|...|SPEC ...] [--kv-dtype bf16,e4m3fn]
+              [--device cpu|cuda] [--reps N] [--json PATH] [--plot PATH] [--contenders NAME|GLOB ...]
+    hal-bench --dry-run          # tiny decode and prefill shapes, 2 reps: every code path in seconds
 
-A SPEC is BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16.
+A decode SPEC is BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16;
+a prefill SPEC is GROUP[+GROUP...]/QHEADSxKVHEADSxHEADSIZE[:bBLOCK] with GROUP = NxQ[@C] (N sequences
+of Q new tokens over C cached ones; Q and C may be ranges A-B), e.g. 64x1@4096+2x1024/32x8x128.
 See docs/bench.md for what each column means.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from rich.console import Console
@@ -25,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="shape sets: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in shapes.SETS.items()))
     ap.add_argument("--shapes", nargs="+", metavar="SET|SPEC",
-                    help="shape sets (issue, sweep, cpu) and/or SPECs; default: issue on a GPU, cpu on the CPU")
+                    help=f"shape sets ({', '.join(shapes.SETS)}) and/or SPECs; default: issue on a GPU, cpu on the CPU "
+                         f"(with --dry-run: tiny prefill-tiny)")
     ap.add_argument("--kv-dtype", default="bf16,e4m3fn",
                     help="KV cache dtypes, comma-separated: bf16, fp16, e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, fp8 "
                          "(= this machine's native e4m3); default bf16,e4m3fn")
@@ -45,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-flush", action="store_true", help="do not flush caches between timed calls")
     ap.add_argument("--flashinfer-jit", action="store_true",
                     help="let FlashInfer compile modules that were not prebuilt (slow; off by default)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes (sets tiny and prefill-tiny unless --shapes), 2 reps, 1 warm-up, 0.5 s per row: "
+                         "every contender that can run here, checked and timed, in seconds")
     ap.add_argument("--list", action="store_true", help="list shape sets and contenders, then exit")
     return ap
 
@@ -57,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, specs in shapes.SETS.items():
             out.print(f"[bold]{name}[/]: {' '.join(specs)}")
         for c in contenders_mod.all_contenders():
-            out.print(f"[bold]{c.name}[/] ({c.kind}): {c.what}")
+            out.print(f"[bold]{c.name}[/] ({c.kind}; {', '.join(sorted(c.ops))}): {c.what}")
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         err.print("[red]--device cuda: no GPU is visible to torch[/]")
@@ -67,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     try:
-        shape_list = shapes.resolve(args.shapes or (["issue"] if gpu else ["cpu"]))
+        default = ["tiny", "prefill-tiny"] if args.dry_run else (["issue"] if gpu else ["cpu"])
+        shape_list = shapes.resolve(args.shapes or default)
         kv_dtypes = data.parse_dtypes(args.kv_dtype)
         chosen = contenders_mod.select(args.contenders)
     except ValueError as exc:
@@ -76,15 +85,27 @@ def main(argv: list[str] | None = None) -> int:
     if not shape_list or not kv_dtypes:
         err.print("[red]nothing to run: no shapes or no KV dtypes[/]")
         return 2
+    dry = args.dry_run
     opts = runner.Options(
-        device=device, reps=args.reps or (20 if gpu else 5), warmup=args.warmup if args.warmup is not None else
-        (3 if gpu else 1), budget_s=args.budget if args.budget is not None else (10.0 if gpu else 3.0),
+        device=device, reps=args.reps or (2 if dry else 20 if gpu else 5),
+        warmup=args.warmup if args.warmup is not None else (1 if dry or not gpu else 3),
+        budget_s=args.budget if args.budget is not None else (0.5 if dry else 10.0 if gpu else 3.0),
         seed=args.seed, query_dtype=data.DTYPES[args.query_dtype], flashinfer_jit=args.flashinfer_jit,
         flush=not args.no_flush)
 
+    def partial(res: dict) -> None:  # a run cut short (a time limit) keeps what it measured
+        if args.json:
+            report.write_json(res | {"command": command}, args.json)
+
+    command = ["hal-bench"] + list(sys.argv[1:] if argv is None else argv)
+    t0 = time.time()
     with hal_log_to(err), err.status("starting") as status:
-        result = runner.run(opts, shape_list, kv_dtypes, chosen, progress=lambda s: status.update(s))
-    result["command"] = ["hal-bench"] + list(sys.argv[1:] if argv is None else argv)
+        def progress(msg: str) -> None:
+            status.update(msg)
+            if not err.is_terminal and (": building" in msg or msg.startswith(("copy", "matmul"))):
+                print(f"[{time.time() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)  # a log: a line a problem
+        result = runner.run(opts, shape_list, kv_dtypes, chosen, progress=progress, partial=partial)
+    result["command"] = command
     report.render(result, out)
     if args.plot:
         path, msg = report.plot(result, args.plot)
