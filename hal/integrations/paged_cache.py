@@ -8,12 +8,21 @@ of transformers (an engine can drive it directly); :mod:`hal.integrations.transf
 a model's attention layers.
 
 One forward pass is one *step*: :meth:`PagedKVCache.begin_step` says which sequences get how many new
-tokens, allocates their blocks, and builds the step's plan (slots, per-query block tables and
-lengths) once; every layer then calls :meth:`PagedKVCache.attend`, which writes the layer's new K/V
-and runs attention. Until hal has a prefill op, a step with several new tokens per sequence runs
-every one of them as its own decode query (its length is its position + 1 and it shares its
-sequence's block table), which is causal attention computed by the decode kernel: the cache holds
-the step's tokens before any query reads them, as in token-by-token decoding.
+tokens, allocates their blocks, and builds the step's plan (slots, block tables, lengths, row
+offsets) once; every layer then calls :meth:`PagedKVCache.attend`, which writes the layer's new K/V
+with one :func:`hal.cache_kv` and runs attention with one :func:`hal.paged_attention`:
+
+- a step of one new token per sequence (decoding) is a decode call (one query row per sequence);
+- any other step (prompt chunks, or a mix of sequences in their prompt and sequences decoding) is
+  one multi-token call: the sequences' real rows packed back to back, ``query_start_loc`` their
+  offsets, ``seq_lens`` each context including the step's tokens (already written), so row ``t`` of
+  a sequence's ``n`` new tokens sits at position ``seq_len - n + t`` (bottom-right causal).
+
+The multi-token form is used where the pack serving the cache takes it natively. Where it would be a
+fallback (on a GPU whose native pack serves the decode form only, the multi-token call would go to
+``emu``), each new token runs as its own decode row instead (its length its position + 1, its
+sequence's block table), in groups of ``max_query_rows`` rows: the same causal attention, computed by
+the decode kernel. ``multi_token=True``/``False`` forces one form.
 """
 
 from __future__ import annotations
@@ -64,18 +73,42 @@ class BlockAllocator:
 class StepPlan:
     """What every layer needs for one forward step (built once per step).
 
-    Rows are the step's query tokens, ``[batch, new_tokens]`` flattened row-major; a row past a
-    sequence's new-token count is padding (slot -1, length 0: hal writes nothing and returns zeros).
+    The model sees the step's tokens as ``[batch, q]`` (``q`` the largest count, right-padded); its
+    rows flattened row-major are the *padded rows*. A padded row past its sequence's count is
+    padding: slot -1 (hal writes nothing) and no query row in the attention call.
     """
 
     seq_ids: list[int]
     counts: list[int]                 # new tokens per sequence
-    slot_mapping: torch.Tensor        # [rows] int64
-    block_tables: torch.Tensor        # [rows, max_blocks] int32 (a row per query token)
-    seq_lens: torch.Tensor            # [rows] int32: the query's position + 1 (0 for padding)
-    position_ids: torch.Tensor        # [batch, new_tokens] int64
-    groups: list[tuple[int, int, int]]  # (row0, row1, max_seq_len) per paged_attention call
-    valid: torch.Tensor | None        # [rows] bool, None when no row is padding
+    slot_mapping: torch.Tensor        # [batch * q] int64 (-1 for padding)
+    position_ids: torch.Tensor        # [batch, q] int64
+    block_tables: torch.Tensor        # [batch, max_blocks] int32
+    seq_lens: torch.Tensor            # [batch] int32: each context after the step (past + count)
+    query_start_loc: torch.Tensor     # [batch + 1] int32: offsets of each sequence's real rows
+    max_query_len: int                # host ints: the largest count and context of the step
+    max_seq_len: int
+    rows: torch.Tensor | None         # [total_q] int64: the real rows among the padded ones; None: all
+    decode: bool                      # one new token per sequence: the decode form
+    past: torch.Tensor                # [batch] int64 on the host: context before the step
+    _per_token: tuple | None = None   # the per-token decode rows, built on first use
+
+    def per_token(self, max_query_rows: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+        """The step as decode rows, one per padded row: ``(block_tables [rows, max_blocks],
+        seq_lens [rows] (position + 1, 0 for padding), groups)``, ``groups`` the ``(row0, row1,
+        max_seq_len)`` of each decode call of at most ``max_query_rows`` rows."""
+        if self._per_token is None:
+            q = self.position_ids.shape[1]
+            cnt = torch.tensor(self.counts, dtype=torch.int64)
+            offs = torch.arange(q, dtype=torch.int64)
+            lens = torch.where(offs[None, :] < cnt[:, None], self.past[:, None] + offs[None, :] + 1, 0)
+            lens = lens.reshape(-1).to(torch.int32)
+            groups = []
+            for r0 in range(0, lens.shape[0], max_query_rows):
+                r1 = min(r0 + max_query_rows, lens.shape[0])
+                groups.append((r0, r1, max(1, int(lens[r0:r1].max()))))
+            dev = self.block_tables.device
+            self._per_token = (self.block_tables.repeat_interleave(q, dim=0), lens.to(dev), groups)
+        return self._per_token
 
 
 class PagedKVCache:
@@ -85,14 +118,17 @@ class PagedKVCache:
     :class:`hal.KVScales` (from :func:`hal.load_kv_scales` or a calibration); for an FP8 cache
     without scales hal uses 1.0 and logs one warning (an error under ``HAL_STRICT=1``).
     ``observer``: a :class:`hal.KVScaleObserver` fed every layer's new K/V before it is written.
-    ``max_query_rows`` bounds the queries of one :func:`hal.paged_attention` call (long prefills are
-    split so the kernel's per-call work stays near the causal minimum).
+    ``multi_token``: None (default) runs steps with several new tokens per sequence as one
+    multi-token :func:`hal.paged_attention` call wherever the pack serving the cache takes it
+    natively, else as decode rows; True / False force one form. ``max_query_rows`` bounds the rows
+    of one decode call in the per-token form.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, *, num_blocks: int,
                  block_size: int = 16, dtype: torch.dtype = torch.bfloat16, device="cpu",
                  scales: "hal.KVScales | None" = None, observer: "hal.KVScaleObserver | None" = None,
-                 query_dtype: torch.dtype | None = None, max_query_rows: int = 128, pack: str | None = None):
+                 query_dtype: torch.dtype | None = None, max_query_rows: int = 128, pack: str | None = None,
+                 multi_token: bool | None = None):
         self.num_layers, self.num_kv_heads, self.head_size = num_layers, num_kv_heads, head_size
         self.block_size, self.dtype, self.device = block_size, dtype, torch.device(device)
         shape = (num_blocks, num_kv_heads, block_size, head_size)
@@ -106,18 +142,39 @@ class PagedKVCache:
         self._next_id = 0
         self.plan: StepPlan | None = None
         self.num_heads: int | None = None  # query heads, known after the first attend()
+        self.multi_token = multi_token
+        self._forms: dict[tuple, bool] = {}   # the automatic choice per (query dtype, heads, features)
+        self.attended: list[int] = []         # the layers attend() ran for in the current step
         self._scales = self._layer_scales(scales)
 
     @classmethod
     def for_model(cls, config, *, max_tokens: int, block_size: int = 16, max_seqs: int = 1, **kw):
         """Sized for ``max_tokens`` tokens in all, spread over up to ``max_seqs`` sequences (each
         may waste part of its last block). ``config``: a transformers config (text part used)."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        layers, _, kv_heads, head_size = cls.geometry(config)
         num_blocks = math.ceil(max_tokens / block_size) + max_seqs
-        return cls(text.num_hidden_layers, kv_heads, head_size, num_blocks=num_blocks,
-                   block_size=block_size, **kw)
+        return cls(layers, kv_heads, head_size, num_blocks=num_blocks, block_size=block_size, **kw)
+
+    @staticmethod
+    def geometry(config) -> tuple[int, int, int, int]:
+        """``(layers, query heads, KV heads, head size)`` of a transformers config (its text part).
+        A config whose layers differ in them (transformers' per-layer configs) raises ValueError."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+        def get(name):
+            try:
+                return getattr(text, name, None)
+            except RuntimeError:   # a per-layer attribute of a heterogeneous config: one value, or refuse
+                values = {getattr(layer, name, None) for layer in text.per_layer_config}
+                if len(values) != 1:
+                    raise ValueError(f"its layers differ in {name} ({', '.join(map(str, sorted(values, key=str)))}; "
+                                     f"the cache has one geometry)") from None
+                return values.pop()
+
+        heads = get("num_attention_heads")
+        head_size = get("head_dim") or get("hidden_size") // heads
+        kv_heads = get("num_key_value_heads") or heads
+        return get("num_hidden_layers"), heads, kv_heads, head_size
 
     def _layer_scales(self, scales):
         if not is_fp8(self.dtype):
@@ -134,15 +191,52 @@ class PagedKVCache:
                                    f"{self.num_layers} layers")
         return [scales.for_cache(i, self.key_caches[i]) for i in range(self.num_layers)]
 
-    def served_by(self, layer: int = 0) -> str:
-        """The pack :func:`hal.paged_attention` runs for this cache (a one-token decode call)."""
-        qdt = self.query_dtype or torch.float32
-        q = torch.zeros((1, self.num_heads or self.num_kv_heads, self.head_size), dtype=qdt, device=self.device)
-        one = torch.ones((1, 1), dtype=torch.int32, device=self.device)
+    def _probe_call(self, layer: int, rows: int, heads: int | None = None, dtype: torch.dtype | None = None,
+                    **features) -> hal.dispatch.Decision:
+        """The dispatch decision for a call of ``rows`` new tokens of one sequence on this cache
+        (``rows == 1``: the decode form; more: the multi-token form)."""
+        qdt = dtype or self.query_dtype or torch.float32
+        h = heads or self.num_heads or self.num_kv_heads
+        dev = self.device
+        q = torch.zeros((rows, h, self.head_size), dtype=qdt, device=dev)
+        table = torch.zeros((1, math.ceil(rows / self.block_size)), dtype=torch.int32, device=dev)
+        lens = torch.full((1,), rows, dtype=torch.int32, device=dev)
+        multi = {} if rows == 1 else {"query_start_loc": torch.tensor([0, rows], dtype=torch.int32, device=dev),
+                                      "max_query_len": rows}
         ks, vs = self._scales[layer]
-        d = hal.explain(q, self.key_caches[layer], self.value_caches[layer], one * 0, one[0], k_scale=ks,
-                        v_scale=vs, pack=self.pack)
+        return hal.explain(q, self.key_caches[layer], self.value_caches[layer], table, lens, k_scale=ks,
+                           v_scale=vs, pack=self.pack, **multi, **features)
+
+    def served_by(self, layer: int = 0, *, prompt: bool = False) -> str:
+        """The pack :func:`hal.paged_attention` runs for this cache: for a decode step, or with
+        ``prompt`` for a step of several tokens per sequence (the multi-token call, or the decode
+        pack where the per-token form is used)."""
+        if prompt and self._multi_token_form(layer, self.query_dtype or torch.float32, self.num_heads
+                                             or self.num_kv_heads, None, None):
+            d = self._probe_call(layer, 2)
+        else:
+            d = self._probe_call(layer, 1)
         return d.pack.NAME if d.pack is not None else "none"
+
+    def _multi_token_form(self, layer: int, dtype: torch.dtype, heads: int, sliding_window, logits_soft_cap) -> bool:
+        """Whether a step with several tokens per sequence is one multi-token call (else decode rows):
+        forced by ``multi_token``, else yes unless that call would fall back to ``emu`` on a GPU
+        (or find no pack) while the decode form is served natively."""
+        if self.multi_token is not None:
+            return self.multi_token
+        feats = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+        key = (dtype, heads, sliding_window is not None, logits_soft_cap is not None)
+        if key not in self._forms:
+            multi = self._probe_call(layer, 2, heads, dtype, **feats)
+            one = self._probe_call(layer, 1, heads, dtype, **feats)
+            native_multi = multi.pack is not None and not multi.fallback
+            native_one = one.pack is not None and not one.fallback
+            self._forms[key] = native_multi or not native_one
+            if not self._forms[key]:
+                why = "; ".join(multi.fallback_reasons()) if multi.pack is not None else "no pack serves it"
+                log.info("hal: prompt tokens run as decode rows on pack %s: the multi-token call would %s (%s)",
+                         one.pack.NAME, "fall back to emu" if multi.pack is not None else "fail", why)
+        return self._forms[key]
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -166,6 +260,10 @@ class PagedKVCache:
         """Reserve blocks for ``counts[i]`` new tokens of sequence ``seq_ids[i]`` and plan the step."""
         if len(seq_ids) != len(counts) or not seq_ids:
             raise ValueError("begin_step: one count per sequence, at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"begin_step: a sequence appears twice in {seq_ids}")
+        if any(c < 0 for c in counts) or max(counts) == 0:
+            raise ValueError(f"begin_step: counts must be >= 0 and not all 0; got {counts}")
         bs, q = self.block_size, max(counts)
         for sid, c in zip(seq_ids, counts):
             need = math.ceil((self._lens[sid] + c) / bs) - len(self._blocks[sid])
@@ -173,7 +271,7 @@ class PagedKVCache:
                 self._blocks[sid] += self.allocator.allocate(need)
         past = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int64)
         cnt = torch.tensor(counts, dtype=torch.int64)
-        width = max(len(self._blocks[s]) for s in seq_ids)
+        width = max(1, max(len(self._blocks[s]) for s in seq_ids))
         table = torch.zeros((len(seq_ids), width), dtype=torch.int32)  # entries past a sequence's end unused
         for i, s in enumerate(seq_ids):
             table[i, :len(self._blocks[s])] = torch.tensor(self._blocks[s], dtype=torch.int32)
@@ -182,16 +280,17 @@ class PagedKVCache:
         valid = offs[None, :] < cnt[:, None]
         blk = torch.gather(table.to(torch.int64), 1, (pos // bs).clamp_max(width - 1))
         slots = torch.where(valid, blk * bs + pos % bs, -1).reshape(-1)
-        lens = torch.where(valid, pos + 1, 0).reshape(-1).to(torch.int32)
-        rows = table.repeat_interleave(q, dim=0)
-        groups = []
-        for r0 in range(0, rows.shape[0], self.max_query_rows):
-            r1 = min(r0 + self.max_query_rows, rows.shape[0])
-            groups.append((r0, r1, max(1, int(lens[r0:r1].max()))))
+        lens = past + cnt
+        qsl = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(cnt, 0).to(torch.int32)
+        padded = not bool(valid.all())
         dev = self.device
-        self.plan = StepPlan(list(seq_ids), list(counts), slots.to(dev), rows.to(dev), lens.to(dev),
-                             torch.where(valid, pos, past[:, None] + cnt[:, None] - 1).clamp_min(0).to(dev),
-                             groups, None if bool(valid.all()) else valid.reshape(-1).to(dev))
+        self.plan = StepPlan(
+            list(seq_ids), list(counts), slots.to(dev),
+            torch.where(valid, pos, past[:, None] + cnt[:, None] - 1).clamp_min(0).to(dev),
+            table.to(dev), lens.to(torch.int32).to(dev), qsl.to(dev), q, max(1, int(lens.max())),
+            valid.reshape(-1).nonzero().reshape(-1).to(dev) if padded else None, q == 1 and not padded, past)
+        self.attended = []
         for s, c in zip(seq_ids, counts):
             self._lens[s] += c
         return self.plan
@@ -200,12 +299,24 @@ class PagedKVCache:
                scale: float | None = None, sliding_window: int | None = None,
                logits_soft_cap: float | None = None) -> torch.Tensor:
         """One layer of the current step: write ``key``/``value`` ``[batch, kv_heads, new, d]`` into
-        the pages, then decode attention for every query row. ``query`` ``[batch, heads, new, d]``;
-        returns ``[batch, new, heads, d]`` in the query's dtype (transformers' attention layout)."""
+        the pages, then attention for every new token (one :func:`hal.paged_attention` call, see the
+        module's docstring). ``query`` ``[batch, heads, new, d]``; returns ``[batch, new, heads, d]``
+        in the query's dtype (transformers' attention layout); padding rows hold zeros."""
         plan = self.plan
         if plan is None:
             raise RuntimeError("PagedKVCache.attend: no step planned (call begin_step first)")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"PagedKVCache.attend: layer {layer} of a cache for {self.num_layers} layers")
         b, h, q, d = query.shape
+        if key.shape[1] != self.num_kv_heads or key.shape[-1] != self.head_size or d != self.head_size \
+                or value.shape != key.shape:
+            raise ValueError(f"PagedKVCache.attend: layer {layer} has {key.shape[1]} KV heads of size "
+                             f"{key.shape[-1]} (values {tuple(value.shape[1::2])}, queries of size {d}); the cache "
+                             f"holds {self.num_kv_heads} of size {self.head_size} in every layer")
+        if (b, q) != tuple(plan.position_ids.shape):
+            raise ValueError(f"PagedKVCache.attend: layer {layer} got [batch, new] = {[b, q]}; the step "
+                             f"planned {list(plan.position_ids.shape)}")
+        self.attended.append(layer)
         rows = b * q
         self.num_heads = h
         k = key.transpose(1, 2).reshape(rows, self.num_kv_heads, d)
@@ -213,15 +324,46 @@ class PagedKVCache:
         kc, vc = self.key_caches[layer], self.value_caches[layer]
         ks, vs = self._scales[layer]
         if self.observer is not None:
-            sel = plan.valid
+            sel = plan.rows
             self.observer.observe(layer, k if sel is None else k[sel], v if sel is None else v[sel])
         hal.cache_kv(k, v, kc, vc, plan.slot_mapping, k_scale=ks, v_scale=vs, pack=self.pack)
         qdt = self.query_dtype or query.dtype
-        qr = query.transpose(1, 2).reshape(rows, h, d).to(qdt).contiguous()
-        out = torch.empty_like(qr)
-        for r0, r1, max_len in plan.groups:
-            hal.paged_attention(qr[r0:r1], kc, vc, plan.block_tables[r0:r1], plan.seq_lens[r0:r1],
-                                scale=scale, k_scale=ks, v_scale=vs, sliding_window=sliding_window,
-                                logits_soft_cap=logits_soft_cap, max_seq_len=max_len, out=out[r0:r1],
-                                pack=self.pack)
+        qr = query.transpose(1, 2).reshape(rows, h, d).to(qdt)
+        kw = {"scale": scale, "k_scale": ks, "v_scale": vs, "sliding_window": sliding_window,
+              "logits_soft_cap": logits_soft_cap, "pack": self.pack}
+        if plan.decode:
+            out = hal.paged_attention(qr.contiguous(), kc, vc, plan.block_tables, plan.seq_lens,
+                                      max_seq_len=plan.max_seq_len, **kw)
+        elif self._multi_token_form(layer, qdt, h, sliding_window, logits_soft_cap):
+            sel = qr if plan.rows is None else qr[plan.rows]
+            got = hal.paged_attention(sel.contiguous(), kc, vc, plan.block_tables, plan.seq_lens,
+                                      query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
+                                      max_seq_len=plan.max_seq_len, **kw)
+            if plan.rows is None:
+                out = got
+            else:
+                out = torch.zeros_like(qr)
+                out[plan.rows] = got
+        else:
+            tables, lens, groups = plan.per_token(self.max_query_rows)
+            qr = qr.contiguous()
+            out = torch.empty_like(qr)
+            for r0, r1, max_len in groups:
+                hal.paged_attention(qr[r0:r1], kc, vc, tables[r0:r1], lens[r0:r1], max_seq_len=max_len,
+                                    out=out[r0:r1], **kw)
         return out.view(b, q, h, d).to(query.dtype)
+
+    def end_step(self) -> None:
+        """Check that every layer ran attention exactly once in the step (a model whose layers
+        bypass :meth:`attend` would leave their pages empty): raises ValueError naming the layers."""
+        seen = sorted(self.attended)
+        if seen != list(range(self.num_layers)):
+            missing = sorted(set(range(self.num_layers)) - set(seen))
+            twice = sorted({x for x in seen if seen.count(x) > 1})
+            parts = ([f"layers {_span(missing)} did not run hal's attention"] if missing else []) + \
+                    ([f"layers {_span(twice)} ran it more than once"] if twice else [])
+            raise ValueError(f"PagedKVCache: in a step over a cache of {self.num_layers} layers, " + " and ".join(parts))
+
+
+def _span(xs: list[int]) -> str:
+    return ", ".join(map(str, xs[:8])) + (f" (and {len(xs) - 8} more)" if len(xs) > 8 else "")

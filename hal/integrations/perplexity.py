@@ -8,7 +8,8 @@ at a time (never the whole ``[tokens, vocab]``):
 
 - ``stock``: the model's own attention (SDPA) with an unquantized (model dtype) cache: the reference;
 - ``hal``: attention through :func:`hal.cache_kv` + :func:`hal.paged_attention` with the cache in
-  the variant's encoding (:class:`~hal.integrations.transformers.HalRunner`);
+  the variant's encoding (:class:`~hal.integrations.transformers.HalRunner`: each chunk of all
+  windows is one multi-token call per layer);
 - ``roundtrip``: stock attention over K/V round-tripped through the encoding in plain PyTorch
   (:class:`~hal.integrations.transformers.RoundTrip`), the simulation hal must reproduce.
 
@@ -56,6 +57,7 @@ class Result:
     kl_max: float = 0.0
     same_top1: int = 0
     seconds: float = 0.0
+    prompt_tokens: int = 0                 # tokens run through the forward passes ``seconds`` measures
     decode_steps: int = 0
     decode_seconds: float = 0.0
     pack: str | None = None
@@ -77,7 +79,10 @@ class Result:
              "cache_dtype": dtype_name(self.variant.cache_dtype) if self.variant.cache_dtype else "model",
              "tokens": self.tokens, "perplexity": self.ppl, "kl_mean": self.mean_kl, "kl_max": self.kl_max,
              "top1_agreement": self.top1, "seconds": self.seconds,
-             "ms_per_token": 1e3 * self.seconds / self.tokens if self.tokens else None, "pack": self.pack,
+             "ms_per_token": 1e3 * self.seconds / self.tokens if self.tokens else None,
+             "prompt_tokens": self.prompt_tokens,
+             "ms_per_prompt_token": 1e3 * self.seconds / self.prompt_tokens if self.prompt_tokens else None,
+             "pack": self.pack,
              "decode_steps": self.decode_steps,
              "decode_ms_per_step": 1e3 * self.decode_seconds / self.decode_steps if self.decode_steps else None}
         if reference_ppl:
@@ -206,6 +211,7 @@ def evaluate(model, windows: torch.Tensor, variants: list[Variant], *, chunk: in
             logits = run(ids)
             _sync(device)
             res.seconds += time.perf_counter() - t0
+            res.prompt_tokens += ids.numel()
             last[i] = logits[:, -1].clone()   # not a view: it would keep the chunk's logits alive
             lp = torch.log_softmax(logits[:, :n], dim=-1)
             del logits
@@ -225,7 +231,8 @@ def evaluate(model, windows: torch.Tensor, variants: list[Variant], *, chunk: in
                  ", ".join(f"{r.variant.name} ppl {r.ppl:.3f}" for r in results))
     for run, res, lg in zip(runners, results, last):
         if isinstance(run, _Hal):
-            res.pack = run.cache.served_by()
+            prompt, decode = run.cache.served_by(prompt=True), run.cache.served_by()
+            res.pack = prompt if prompt == decode else f"{prompt} (prompt) / {decode} (decode)"
         if decode_steps:
             _time_decode(run, res, lg, decode_steps, device)
     return results

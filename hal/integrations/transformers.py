@@ -1,4 +1,4 @@
-"""hal inside a transformers model: attention layers write K/V with :func:`hal.cache_kv` and decode
+"""hal inside a transformers model: attention layers write K/V with :func:`hal.cache_kv` and attend
 with :func:`hal.paged_attention` over a :class:`~hal.integrations.paged_cache.PagedKVCache`.
 
 Extension points, and why these: transformers' ``AttentionInterface`` lets a function replace the
@@ -12,29 +12,40 @@ must return dense keys for the attention function, the opposite of a paged FP8 c
 The mask. An attention function registered under a new name gets *no* attention mask unless a mask
 function is registered under the same name (``AttentionMaskInterface``); a function that relied on
 that mask would silently attend to everything (with a sliding-window model that gave perplexity 168
-in the issue's experiment). hal's attention needs no mask: causality and padding are in each query's
-length and block table (:meth:`PagedKVCache.begin_step`), and a sliding window comes from the
+in the issue's experiment). hal's attention needs no mask: causality and padding are in the step's
+plan (each sequence's new rows, context length and block table: :meth:`PagedKVCache.begin_step`), and a sliding window comes from the
 layer's ``sliding_window`` keyword (Mistral, Qwen2, Gemma pass it to the attention function) or
 attribute, and is handed to :func:`hal.paged_attention`. The mask function registered for ``"hal"`` says so by returning None,
 which also spares transformers from building a ``[batch, 1, q, kv]`` mask per step. The tests
 compare the integration with stock attention, including a sliding-window model.
 
-Scope: decoder-only models whose attention calls the ``AttentionInterface`` (Llama-style). A model
-that passes attention sinks (``s_aux``) is refused rather than run without them.
+Scope: decoder-only causal LMs whose attention layers call the ``AttentionInterface``: Llama,
+Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, Cohere 1-2, Starcoder2, ... with full or sliding-window layers
+(per layer, as each layer passes it), QK-norm (applied by the model before the attention function),
+logit soft-caps, GQA and MQA, any head size a pack serves (emu: 32 to 256). What the runner cannot
+serve it refuses with the reason (:class:`UnsupportedModel`), before running: from the config
+(:func:`config_reasons`: encoder-decoder, layers that are not attention, MLA, layers sharing or
+differing in K/V geometry, bidirectional, ALiBi, chunked attention) and from the model
+(:func:`model_reasons`: attention that does not go through the interface, attention sinks, a head
+that does something to the decoder's output the runner does not know, no pack for the attention's
+shape), and while running (every layer must run hal's attention exactly once per step;
+``s_aux`` is refused rather than ignored).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 
 import hal
 from hal.integrations.paged_cache import PagedKVCache
 
-__all__ = ["ATTENTION_NAME", "ROUNDTRIP_NAME", "HalRunner", "RoundTrip", "calibrate", "hal_attention",
-           "register", "roundtrip_attention", "stock_greedy", "using"]
+__all__ = ["ATTENTION_NAME", "ROUNDTRIP_NAME", "HalRunner", "RoundTrip", "UnsupportedModel", "calibrate",
+           "check_model", "config_reasons", "hal_attention", "model_reasons", "register", "roundtrip_attention",
+           "stock_greedy", "using"]
 
 log = logging.getLogger("hal")
 ATTENTION_NAME = "hal"
@@ -120,8 +131,153 @@ def using(model, name: str = ATTENTION_NAME):
 def _output_embeddings(model):
     head = model.get_output_embeddings()
     if head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings: hal's runner needs a causal LM")
+        raise UnsupportedModel(f"{type(model).__name__} has no output embeddings: hal's runner needs a causal LM")
     return head
+
+
+# --- which models the runner serves ------------------------------------------------------------------
+class UnsupportedModel(ValueError):
+    """A model hal's runner cannot serve; the message says why (one line)."""
+
+
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+
+
+def config_reasons(config) -> list[str]:
+    """Why a transformers config describes a model the runner cannot serve (empty: nothing found in
+    the config; :func:`model_reasons` checks the loaded model further)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    why = []
+    if _get(config, "is_encoder_decoder", False) or _get(text, "is_encoder_decoder", False):
+        why.append("it is an encoder-decoder model (the runner drives decoder-only causal LMs)")
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads", "hidden_size") if not _has(text, a)]
+    if missing:
+        why.append(f"its config has no {', '.join(missing)} (not a transformer decoder the runner knows)")
+        return why
+    try:
+        _, heads, kv_heads, head_size = PagedKVCache.geometry(text)
+    except ValueError as exc:
+        return why + [str(exc)]
+    types = list(_get(text, "layer_types") or [])
+    other = sorted(set(types) - _ATTENTION_LAYERS)
+    if other:
+        at = [i for i, t in enumerate(types) if t not in _ATTENTION_LAYERS]
+        why.append(f"layers {', '.join(map(str, at[:6]))}{' ...' if len(at) > 6 else ''} are {', '.join(other)}, "
+                   f"not full or sliding-window attention over a KV cache")
+    if _get(text, "kv_lora_rank", None) or _get(text, "q_lora_rank", None) or \
+            _get(text, "v_head_dim", head_size) != head_size:
+        why.append("it uses multi-head latent attention (MLA: compressed K/V, keys and values of different "
+                   "head sizes)")
+    if _get(text, "num_kv_shared_layers", 0):
+        why.append(f"{_get(text, 'num_kv_shared_layers')} of its layers reuse other layers' K/V (num_kv_shared_layers)")
+    for attr, what in (("global_head_dim", "head sizes"), ("num_global_key_value_heads", "KV head counts")):
+        other_value = _get(text, attr, None)
+        mine = head_size if attr == "global_head_dim" else kv_heads
+        if other_value and other_value != mine:
+            why.append(f"its layers have different {what} ({mine} and {other_value}; the cache has one geometry)")
+    if _get(text, "use_bidirectional_attention", False):
+        why.append("its attention is bidirectional (use_bidirectional_attention), not causal")
+    if _get(text, "alibi", False) or _get(text, "position_embedding_type", None) == "alibi":
+        why.append("it uses ALiBi position biases (the runner does not pass slopes)")
+    if _get(text, "attention_chunk_size", None) and "chunked_attention" not in other:
+        why.append(f"it uses chunked attention (attention_chunk_size={_get(text, 'attention_chunk_size')})")
+    if heads % kv_heads:
+        why.append(f"its {heads} query heads are not a multiple of its {kv_heads} KV heads")
+    return why
+
+
+def _get(config, name, default=None):
+    """``getattr`` that also reads a per-layer attribute of a heterogeneous config: the layers' one
+    value, or a list of their values when they differ."""
+    try:
+        return getattr(config, name, default)
+    except RuntimeError:
+        values = [getattr(layer, name, default) for layer in config.per_layer_config]
+        return values[0] if all(v == values[0] for v in values) else values
+
+
+def _has(config, name) -> bool:
+    return _get(config, name) is not None
+
+
+def model_reasons(model) -> list[str]:
+    """Why the runner cannot serve ``model`` (empty: it can): :func:`config_reasons`, then what the
+    loaded model shows. Runs nothing."""
+    why = config_reasons(model.config)
+    if model.get_output_embeddings() is None:
+        why.append(f"{type(model).__name__} has no output embeddings (the runner needs a causal LM head)")
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        why.append("its attention layers do not call transformers' AttentionInterface, so hal cannot take "
+                   "their place")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        why.append("its attention has sinks (s_aux), which hal does not implement")
+    return why
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_model(model) -> tuple[str, object]:
+    """Refuse (:class:`UnsupportedModel`, the reasons in one line) a model the runner cannot serve;
+    else return how its causal-LM head turns the output embeddings' result into logits, found by one
+    stock forward over 3 tokens (``(name, function)``: ``"none"``, Gemma's final soft-cap, Granite's
+    and Cohere's logit scaling). Cached per model."""
+    if model in _CHECKED:
+        return _CHECKED[model]
+    name = type(model).__name__
+    why = model_reasons(model)
+    if not why:
+        found = _logit_transform(model)
+        if isinstance(found, str):
+            why.append(found)
+    if why:
+        raise UnsupportedModel(f"hal cannot serve {name}: {'; '.join(why)}")
+    _CHECKED[model] = found
+    return found
+
+
+@torch.no_grad()
+def _logit_transform(model):
+    """``(name, function)`` taking the output embeddings' result to the model's logits, or a
+    string saying why none of the known ones does."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = model.get_output_embeddings()
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    seen = {}
+    hooks = [head.register_forward_hook(lambda m, i, o: seen.update(hidden=i[0], raw=o)),
+             base.register_forward_hook(lambda m, i, o: seen.update(decoder=getattr(o, "last_hidden_state", None)))]
+    device = next(model.parameters()).device
+    try:
+        ids = (torch.arange(3, device=device) * 7 + 1)[None] % text.vocab_size
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        for h in hooks:
+            h.remove()
+    if "raw" not in seen or seen.get("decoder") is None:
+        return "its forward does not run its decoder and then its output embeddings"
+    hidden, decoder = seen["hidden"].float(), seen["decoder"].float()
+    if hidden.shape != decoder.shape or (hidden - decoder).abs().max() > 1e-6 * (1 + decoder.abs().max()):
+        return "its causal-LM head changes the decoder's hidden states before the output embeddings"
+    raw = seen["raw"]
+    cands = []
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        cands.append((f"final soft-cap {cap}", lambda x, c=float(cap): torch.tanh(x / c) * c))
+    for attr in ("logit_scale", "logits_scaling"):
+        s = getattr(text, attr, None)
+        if isinstance(s, (int, float)) and not isinstance(s, bool) and s not in (0, 1):
+            cands += [(f"x {attr} {s}", lambda x, s=float(s): x * s), (f"/ {attr} {s}", lambda x, s=float(s): x / s)]
+    cands.append(("none", lambda x: x))
+    tol = 1e-3 * (1 + float(logits.abs().max()))
+    errs = [(float((f(raw).float() - logits).abs().max()), n, f) for n, f in cands
+            if f(raw).shape == logits.shape]
+    ok = [e for e in errs if e[0] <= tol]
+    if not ok:
+        return "its logits are not its output embeddings' result after any post-processing the runner knows " \
+               "(none, a final soft-cap, a logit scale)"
+    best = min(ok, key=lambda e: e[0])
+    return best[1], best[2]
 
 
 def _default_query_dtype(model, device: torch.device, cache_dtype: torch.dtype) -> torch.dtype:
@@ -142,24 +298,46 @@ class HalRunner:
     ``cache_dtype``: the KV-cache encoding (bf16, fp16, or a torch float8 dtype such as
     ``hal.fp8.native_e4m3()``). ``scales``: :class:`hal.KVScales` for an FP8 cache (from
     :func:`hal.load_kv_scales` or :func:`calibrate`); None means 1.0 with a logged warning.
-    ``prefill_chunk``: prompt tokens per forward step (bounds activation memory).
+    ``prefill_chunk``: prompt tokens per forward step (bounds activation memory); each step is one
+    multi-token :func:`hal.paged_attention` call per layer for all its sequences (``multi_token``:
+    see :class:`PagedKVCache`). A model the runner cannot serve raises :class:`UnsupportedModel`
+    here, with the reasons (:func:`check_model`).
     """
 
     def __init__(self, model, *, cache_dtype: torch.dtype = torch.bfloat16, scales=None, block_size: int = 16,
                  prefill_chunk: int = 512, query_dtype: torch.dtype | None = None, pack: str | None = None,
-                 max_query_rows: int = 128):
+                 max_query_rows: int = 128, multi_token: bool | None = None):
         register()
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.cache_dtype, self.scales, self.block_size = cache_dtype, scales, block_size
         self.prefill_chunk, self.pack, self.max_query_rows = prefill_chunk, pack, max_query_rows
+        self.multi_token = multi_token
         self.query_dtype = query_dtype or _default_query_dtype(model, self.device, cache_dtype)
+        self.logit_transform, self._post = check_model(self.model)
+        self._check_pack()
+
+    def _check_pack(self) -> None:
+        """Refuse a model whose attention shape no pack serves with this cache (head size, dtypes)."""
+        _, heads, kv_heads, head_size = PagedKVCache.geometry(self.model.config)
+        q = torch.zeros((1, heads, head_size), dtype=self.query_dtype, device=self.device)
+        kc = torch.zeros((1, kv_heads, self.block_size, head_size), dtype=self.cache_dtype, device=self.device)
+        one = torch.ones((1,), dtype=torch.int32, device=self.device)
+        d = hal.explain(q, kc, kc, one[None] * 0, one, k_scale=1.0, v_scale=1.0, pack=self.pack)
+        if d.pack is None:
+            told = [v for v in d.verdicts if v.kind == "rejected"] or [v for v in d.verdicts if v.reasons]
+            reasons = "; ".join(f"{v.pack}: {', '.join(v.reasons)}" for v in told)
+            raise UnsupportedModel(f"hal cannot serve {type(self.model).__name__}: no pack serves its attention "
+                                   f"({heads} heads over {kv_heads} KV heads of size {head_size}, "
+                                   f"{str(self.query_dtype).removeprefix('torch.')} queries, a "
+                                   f"{str(self.cache_dtype).removeprefix('torch.')} cache): {reasons}")
 
     def new_cache(self, max_tokens: int, max_seqs: int = 1, observer=None) -> PagedKVCache:
         return PagedKVCache.for_model(self.model.config, max_tokens=max_tokens, max_seqs=max_seqs,
                                       block_size=self.block_size, dtype=self.cache_dtype, device=self.device,
                                       scales=self.scales, observer=observer, query_dtype=self.query_dtype,
-                                      max_query_rows=self.max_query_rows, pack=self.pack)
+                                      max_query_rows=self.max_query_rows, pack=self.pack,
+                                      multi_token=self.multi_token)
 
     @torch.no_grad()
     def step(self, cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]] | torch.Tensor,
@@ -172,12 +350,22 @@ class HalRunner:
         plan = cache.begin_step(seq_ids, counts)
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         with using(self.model):
+            if self.model.config._attn_implementation != ATTENTION_NAME:
+                raise UnsupportedModel(f"hal cannot serve {type(self.model).__name__}: transformers did not set "
+                                       f"its attention implementation to {ATTENTION_NAME!r}")
             out = base(input_ids=ids.to(self.device), position_ids=plan.position_ids, use_cache=False,
                        hal_cache=cache)
+        try:
+            cache.end_step()
+        except ValueError as exc:
+            raise UnsupportedModel(f"hal cannot serve {type(self.model).__name__}: {exc}") from None
         return out.last_hidden_state
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _output_embeddings(self.model)(hidden).float()
+        """The model's logits (float32) for hidden states from :meth:`step`: its output embeddings,
+        then what its head does after them (:attr:`logit_transform`: e.g. Gemma's final soft-cap)."""
+        return self._post(_output_embeddings(self.model)(hidden)).float()
 
     @torch.no_grad()
     def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor:
