@@ -186,6 +186,17 @@ def test_features_alone_and_combined(feature, cache_dtype):
                        **FEATURES[feature]))
 
 
+@pytest.mark.parametrize("cache_dtype", FP8, ids=str)
+def test_gpu_decode_route_on_the_cpu(monkeypatch, cache_dtype):
+    """The FP8 decode a GPU takes (hal.fp8.decode_values over the gathered pages, not the CPU's
+    indexed table) gives the same bits; a shape mismatch there once failed every FP8 problem on the H200."""
+    case = make_varlen(*GEOMETRIES["mixed"], cache_dtype=cache_dtype, block_size=8, seed=12)
+    table_out = _check(case)
+    real = torch_prefill._decode_into
+    monkeypatch.setattr(torch_prefill, "_decode_into", lambda raw, dt, out: real(raw, dt, out, indexed=False))
+    assert torch.equal(case.run(), table_out)
+
+
 @pytest.mark.parametrize("feature", ["none", "window", "window_1", "all"])
 def test_many_tiles_and_chunks(monkeypatch, feature):
     """Force one block per chunk and tiny tiles so that the online softmax merges across many key

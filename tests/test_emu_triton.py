@@ -305,8 +305,10 @@ def _compile(fn, args, kw, target):
         else:
             signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
     options = {"num_warps": kw.get("num_warps", 4)}
+    if "num_stages" in kw:
+        options["num_stages"] = kw["num_stages"]
     for name, value in kw.items():
-        if name != "num_warps":
+        if name not in ("num_warps", "num_stages"):
             signature[name], constexprs[name] = "constexpr", value
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
                           options=options)

@@ -310,6 +310,27 @@ def test_kernel_compiles_offline_for_gfx942(case_name, monkeypatch, tmp_path):
     assert nv.metadata.shared <= 64 * 1024, f"{nv.metadata.shared} bytes of shared memory (> 64 KiB)"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_sm90_tuned_tiles_compile_offline(cache_dtype, monkeypatch, tmp_path):
+    """The H200's tuned tiles (triton_prefill.TUNED[(9, 0)]) are the ones the host code launches on
+    sm_90, and compile for sm_90 within its shared memory (227 KiB a block)."""
+    if triton is None or torch.cuda.is_available():
+        pytest.skip(NO_TRITON if triton is None else "a GPU is present: the GPU tests compile and run the kernel")
+    from test_emu_triton import _compile, _Recorder
+    from triton.backends.compiler import GPUTarget
+    from hal.kernelpacks.emu import triton_prefill as TP
+    from hal.kernelpacks.emu import triton_prefill_kernels as TK
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(TK, "prefill_kernel", rec := _Recorder(TK.prefill_kernel))
+    monkeypatch.setattr(TP, "_capability", lambda device: (9, 0))
+    run(make_varlen([300, 40], [300, 17], cache_dtype=cache_dtype, query_dtype=torch.bfloat16, head_size=128), "cpu")
+    (args, kw), = rec.calls
+    rows, keys, warps, stages = TP.TUNED[(9, 0)][(True, True, cache_dtype != torch.bfloat16)]
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (rows, keys, warps, stages)
+    k = _compile(rec.fn, args, kw, GPUTarget("cuda", 90, 32))
+    assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} bytes of shared memory (> 227 KiB)"
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU.
 

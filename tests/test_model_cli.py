@@ -194,3 +194,34 @@ def test_eval_refuses_a_loaded_model_it_cannot_serve(tmp_path, capsys):
 def test_eval_model_path_errors(tmp_path, make, words, no_model_load, capsys):
     err = _eval_error(["--model", str(make(tmp_path)), "--text", __file__], capsys)
     assert all(w in err for w in words), err
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("form", ["multi", "rows"])
+def test_eval_prompt_calls_chooses_the_call_form(form, tmp_path, monkeypatch, capsys):
+    """--prompt-calls multi sends each prompt chunk as multi-token calls (query_start_loc set),
+    rows as decode rows only; both give the same perplexity within float32 rounding."""
+    import json
+
+    import hal
+
+    folder = _save_model(tmp_path / "tiny-qwen3", _qwen3)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(WORDS * 6))
+    forms = []
+    real = hal.paged_attention
+
+    def counting(*a, **kw):
+        forms.append(kw.get("query_start_loc") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(hal, "paged_attention", counting)
+    argv = ["--model", str(folder), "--text", str(text), "--calib-text", str(text), "--caches", "bf16",
+            "--windows", "2", "--length", "24", "--chunk", "10", "--decode-steps", "0", "--no-roundtrip",
+            "--prompt-calls", form, "--json", str(tmp_path / "out.json")]
+    assert evaluate.main(argv) == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["prompt_calls"] == form and forms
+    assert all(forms) if form == "multi" else not any(forms)
+    stock, hal_bf16 = doc["results"][0]["perplexity"], doc["results"][1]["perplexity"]
+    assert abs(hal_bf16 / stock - 1) < 0.01

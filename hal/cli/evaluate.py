@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--block-size", type=int, default=16)
     run.add_argument("--device", default="auto", help="cpu, cuda, or auto (default: cuda when visible)")
     run.add_argument("--pack", help="force a hal pack (default: the best for the machine)")
+    run.add_argument("--prompt-calls", choices=("auto", "multi", "rows"), default="auto",
+                     help="how prompt chunks reach hal: one multi-token call per layer (multi), one decode "
+                          "row per token (rows), or multi wherever the cache's pack serves it natively "
+                          "(auto, the default)")
     p.add_argument("--json", type=pathlib.Path, help="also write the results as JSON here")
     return p
 
@@ -291,7 +295,8 @@ def run(args, out: Console) -> int:
         if not args.no_roundtrip:
             variants.append(Variant("roundtrip", c, scales.get(c)))
     results = evaluate(model, windows, variants, chunk=args.chunk, decode_steps=args.decode_steps,
-                       block_size=args.block_size, pack=args.pack)
+                       block_size=args.block_size, pack=args.pack,
+                       multi_token={"auto": None, "multi": True, "rows": False}[args.prompt_calls])
     runtime = time.perf_counter() - t_start
     out.print(_table(results, results[0]))
     t = hal.target()
@@ -306,7 +311,7 @@ def run(args, out: Console) -> int:
                "target": t.describe(), "torch": torch.__version__, "transformers": transformers.__version__,
                "python": platform.python_version(), "text": text_name, "windows": args.windows,
                "length": args.length, "chunk": args.chunk, "block_size": args.block_size,
-               "calibration": calib, "runtime_s": runtime,
+               "prompt_calls": args.prompt_calls, "calibration": calib, "runtime_s": runtime,
                "results": [r.as_dict(results[0].ppl) for r in results]}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         out.print(f"wrote {args.json}")

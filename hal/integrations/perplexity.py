@@ -184,9 +184,10 @@ class _nullcontext:
 
 @torch.no_grad()
 def evaluate(model, windows: torch.Tensor, variants: list[Variant], *, chunk: int = 512, decode_steps: int = 0,
-             block_size: int = 16, pack: str | None = None) -> list[Result]:
+             block_size: int = 16, pack: str | None = None, multi_token: bool | None = None) -> list[Result]:
     """Run every variant over ``windows`` ``[num, length]``; the first variant must be ``stock``
-    (the reference for KL and top-1). Returns one :class:`Result` per variant."""
+    (the reference for KL and top-1). ``multi_token`` is :class:`HalRunner`'s (None: its default).
+    Returns one :class:`Result` per variant."""
     if not variants or variants[0].kind != "stock":
         raise ValueError("evaluate: the first variant must be the stock reference")
     device = next(model.parameters()).device
@@ -196,7 +197,7 @@ def evaluate(model, windows: torch.Tensor, variants: list[Variant], *, chunk: in
     for v in variants:
         if v.kind == "hal":
             runners.append(_Hal(model, v, num, length, decode_steps + 1, block_size=block_size, pack=pack,
-                                prefill_chunk=chunk))
+                                prefill_chunk=chunk, multi_token=multi_token))
         else:
             runners.append(_Stock(model, v))
     results = [Result(v) for v in variants]

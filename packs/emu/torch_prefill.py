@@ -77,13 +77,17 @@ def _logit_scale(scale: float, k_scale, hkv: int, device) -> torch.Tensor | floa
     return _per_head(k_scale, hkv, device) * scale
 
 
-def _decode_into(raw: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
-    """FP8 bytes ``raw`` (uint8, contiguous) as the float32 numbers they hold, exactly, into ``out``:
-    on a CPU through hal.fp8's 256-entry bit-layout table, indexed (index_select runs at ~1 ns a
-    byte on a core, 2-6x faster than torch's e4m3 casts), in pieces so that the int32 indices stay
-    one small reused buffer; elsewhere hal.fp8.decode_values."""
-    if raw.device.type != "cpu":
-        return fp8.decode_values(raw.view(dtype), out)
+def _decode_into(raw: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, indexed: bool | None = None) -> torch.Tensor:
+    """FP8 bytes ``raw`` (uint8, contiguous) as the float32 numbers they hold, exactly, into ``out``
+    (contiguous, as many elements, any shape): ``indexed`` (default: on a CPU) through hal.fp8's
+    256-entry bit-layout table with index_select (~1 ns a byte on a core, 2-6x faster than torch's
+    e4m3 casts), in pieces so that the int32 indices stay one small reused buffer; otherwise
+    hal.fp8.decode_values."""
+    if indexed is None:
+        indexed = raw.device.type == "cpu"
+    if not indexed:
+        fp8.decode_values(raw.view(dtype), out.view(raw.shape))
+        return out
     table = fp8.decode_table(dtype, torch.float32, raw.device)
     src, dst = raw.reshape(-1), out.view(-1)
     n = src.numel()

@@ -101,6 +101,19 @@ def _load_tile(cache_ptr, rows, dims, mask, FP8: tl.constexpr, FAST16: tl.conste
 
 
 @triton.jit
+def _load_tile_full(cache_ptr, rows, dims, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr,
+                    MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
+    """:func:`_load_tile` of a tile every element of which is read (no mask to evaluate)."""
+    raw = tl.load(cache_ptr + rows + dims)
+    if FP8:
+        if FAST16:
+            raw = decode_fp8_fp16(raw, EXP, FNUZ)
+        else:
+            raw = decode_fp8(raw, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    return raw
+
+
+@triton.jit
 def _tanh(x):
     # exp-based (the interpreter has no libdevice); |error| ~1e-7, negligible against the cap.
     t = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))

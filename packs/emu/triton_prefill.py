@@ -24,6 +24,9 @@ type for PV); every other combination uses float32 operands with IEEE products.
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 
 from hal import fp8
@@ -43,23 +46,48 @@ TILES = {
     (False, False): (16, 16),
 }
 NUM_WARPS = 4
+NUM_STAGES = None  # Triton's default
+# Per GPU architecture (torch's compute capability), entries that replace the above, keyed
+# (dot16, small head, FP8 cache) -> (rows, keys, warps, stages). sm_90 (H200, 2026-12-01,
+# results of a sweep over rows 64/128 x keys 32/64/128 x warps 4/8 x stages 2/3 on 8x2048 and
+# 4x1024@8192, 32x8x128 causal; docs/bench.md "Prefill"): a bf16 cache 2227 -> 1350 us
+# at 8x2048 (204 TFLOP/s), e4m3fn 2992 -> 1755 us (157 TFLOP/s).
+TUNED: dict[tuple[int, int], dict[tuple[bool, bool, bool], tuple[int, int, int, int]]] = {
+    (9, 0): {(True, True, False): (128, 64, 8, 2), (True, True, True): (128, 128, 8, 2)},
+}
+
+
+def _config(dot16: bool, small_d: bool, fp8_cache: bool,
+            capability: tuple[int, int] | None) -> tuple[int, int, int, int | None]:
+    tuned = TUNED.get(capability, {}).get((dot16, small_d, fp8_cache)) if capability else None
+    if tuned is not None:
+        return tuned
+    return (*TILES[(dot16, small_d)], NUM_WARPS, NUM_STAGES)
 
 
 def plan(total_q: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_query_len: int,
-         dot16: bool) -> dict:
+         dot16: bool, capability: tuple[int, int] | None = None, fp8_cache: bool = False) -> dict:
     """Tile geometry and grid from host ints: rows per tile (``BLOCK_M``: ``BLOCK_Q`` tokens x
-    ``G_TILE`` heads of a KV group), keys per tile, head tiles per group."""
+    ``G_TILE`` heads of a KV group), keys per tile, head tiles per group, warps and stages."""
     g = num_heads // num_kv_heads
     d_pad = max(16, _pow2(head_size))
-    rows_max, block_n = TILES[(dot16, d_pad <= 128)]
+    rows_max, block_n, warps, stages = _config(dot16, d_pad <= 128, fp8_cache, capability)
     g_tile = min(g, rows_max)
     num_ht = triton.cdiv(g, g_tile)
     # Short rows (decode, speculative) get short tiles; long ones the full height.
     block_m = min(rows_max, max(16, _pow2(max(1, max_query_len) * g_tile)))
     block_q = block_m // g_tile
     grid = (total_q // block_q + num_seqs, num_kv_heads * num_ht)
+    launch = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
     return dict(G=g, G_TILE=g_tile, NUM_HT=num_ht, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-                D=head_size, D_PAD=d_pad, grid=grid)
+                D=head_size, D_PAD=d_pad, grid=grid, launch=launch)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device) -> tuple[int, int] | None:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return torch.cuda.get_device_capability(device)
 
 
 def paged_attention_varlen(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
@@ -73,8 +101,9 @@ def paged_attention_varlen(out, query, key_cache, value_cache, block_tables, seq
         return
     _, hkv, bs, _ = key_cache.shape
     dot16 = query.dtype in _HALF and (fp8.is_fp8(key_cache.dtype) or key_cache.dtype == query.dtype)
-    tiles = plan(total_q, n, h, hkv, d, max_query_len, dot16)
-    grid = tiles.pop("grid")
+    tiles = plan(total_q, n, h, hkv, d, max_query_len, dot16, _capability(query.device),
+                 fp8.is_fp8(key_cache.dtype))
+    grid, launch = tiles.pop("grid"), tiles.pop("launch")
 
     decode, factor = _decode_constants(key_cache.dtype)
     ks_ptr, ks_val, ks_stride = _scale_args(k_scale, seq_lens)
@@ -96,7 +125,8 @@ def paged_attention_varlen(out, query, key_cache, value_cache, block_tables, seq
             block_tables.stride(0), block_tables.stride(1),
             **tiles, BS=bs, **decode, DOT16=dot16, K_SCALE_STRIDE=ks_stride, V_SCALE_STRIDE=vs_stride,
             HAS_ALIBI=alibi_slopes is not None, HAS_SOFTCAP=logits_soft_cap is not None,
-            HAS_WINDOW=sliding_window is not None, CAUSAL=bool(causal), num_warps=NUM_WARPS,
+            HAS_WINDOW=sliding_window is not None, CAUSAL=bool(causal), EVEN_D=d == tiles["D_PAD"],
+            **launch,
         )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import LOG2E, _load_tile, _tanh
+from .triton_kernels import LOG2E, _load_tile, _load_tile_full, _tanh
 
 INF = tl.constexpr(float("inf"))
 
@@ -60,6 +60,87 @@ def _nonfinite_part(keep, v, DOT16: tl.constexpr):
 
 
 @triton.jit
+def _key_tile(m_i, l_i, acc, q, n0, hi, pos, row_ok, dims, dim_ok, slopes, qk_scale, soft_cap, window,
+              bt_row, stride_bt_col, k_base, v_base, stride_kb, stride_kt, stride_vb, stride_vt,
+              MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,
+              BS: tl.constexpr, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr,
+              BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr, DOT16: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    """One key tile [n0, n0 + BLOCK_N) folded into the running (max, sum, accumulator). MASKED: the
+    tile may hold keys past ``hi`` or keys some rows drop (the causal band, a window edge);
+    otherwise every row keeps every key and nothing is masked."""
+    toks = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        tok_ok = toks < hi  # every token of [lo, hi) is one some row of the tile reads
+        # Only table entries of live tokens are read: entries past a sequence's blocks may be junk.
+        phys = tl.load(bt_row + (toks // BS) * stride_bt_col, mask=tok_ok, other=0).to(tl.int64)
+    else:
+        phys = tl.load(bt_row + (toks // BS) * stride_bt_col).to(tl.int64)
+    off = (toks % BS).to(tl.int64)
+    k_rows = (phys * stride_kb + off * stride_kt)[None, :]
+    if MASKED:
+        kt = _load_tile(k_base, k_rows, dims[:, None], (toks < hi)[None, :] & dim_ok[:, None],
+                        FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    elif EVEN_D:
+        kt = _load_tile_full(k_base, k_rows, dims[:, None], FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    else:
+        kt = _load_tile(k_base, k_rows, dims[:, None], dim_ok[:, None] & (toks >= 0)[None, :],
+                        FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    if DOT16:  # FP8 and same-dtype values are exact in the query's 16-bit type
+        s = tl.dot(q, kt.to(q.dtype))
+    else:
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    s = s * qk_scale
+    if HAS_SOFTCAP:
+        s = soft_cap * _tanh(s / soft_cap)
+    if HAS_ALIBI:
+        s = s + slopes[:, None] * (toks[None, :] - pos[:, None]).to(tl.float32)
+    if MASKED:
+        keep = tok_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            keep = keep & (toks[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (toks[None, :] > pos[:, None] - window)
+        s = tl.where(keep, s * LOG2E, float("-inf"))
+    else:
+        s = s * LOG2E
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key (or only -inf logits)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_rows = (phys * stride_vb + off * stride_vt)[:, None]
+    if MASKED:
+        v = _load_tile(v_base, v_rows, dims[None, :], (toks < hi)[:, None] & dim_ok[None, :],
+                       FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    elif EVEN_D:
+        v = _load_tile_full(v_base, v_rows, dims[None, :], FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    else:
+        v = _load_tile(v_base, v_rows, dims[None, :], (toks >= 0)[:, None] & dim_ok[None, :],
+                       FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+    if DOT16:
+        v = v.to(q.dtype)
+    else:
+        v = v.to(tl.float32)
+    pv = _pv(p, v, DOT16)
+    # A token some rows of the tile keep and others mask (the causal band, a window edge): a
+    # non-finite V there must reach only the rows that keep it (0 * NaN in the product would reach
+    # the others). Checked only on masked tiles; the fix-up runs only when one is there. (Without
+    # causality every row keeps every token: a window is refused with causal=False.)
+    if MASKED:
+        if CAUSAL:
+            bad = tl.sum(tl.sum(((v != v) | (v == INF) | (v == -INF)).to(tl.int32), 1), 0)
+            if bad > 0:
+                v_fin = tl.where((v != v) | (v == INF) | (v == -INF), 0.0, v).to(v.dtype)
+                pv = _pv(p, v_fin, DOT16) + _nonfinite_part(keep, v, DOT16)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
 def prefill_kernel(
     out_ptr, q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, qsl_ptr, ks_ptr, vs_ptr, alibi_ptr,
     qk_scale, v_scale, soft_cap, window, num_seqs,
@@ -71,6 +152,7 @@ def prefill_kernel(
     FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr, DOT16: tl.constexpr,
     K_SCALE_STRIDE: tl.constexpr, V_SCALE_STRIDE: tl.constexpr,  # -1: host float, 0: 0-d, 1: per head
     HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """One (tile slot, KV head x head tile): rows of BLOCK_Q tokens x G_TILE heads against the key
     tiles some row of the tile sees, online softmax in float32 (log2 units), ``out`` written once."""
@@ -111,68 +193,48 @@ def prefill_kernel(
         q = q.to(tl.float32)
     if K_SCALE_STRIDE >= 0:
         qk_scale = qk_scale * tl.load(ks_ptr + kvh * K_SCALE_STRIDE)
+    slopes = qk_scale  # a placeholder scalar without ALiBi
     if HAS_ALIBI:
         slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    k_head = kvh * stride_kh
-    v_head = kvh * stride_vh
-    for n0 in range(lo, hi, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        tok_ok = toks < hi  # every token of [lo, hi) is one some row of the tile reads
-        # Only table entries of live tokens are read: entries past a sequence's blocks may be junk.
-        phys = tl.load(bt_ptr + seq64 * stride_bt + (toks // BS) * stride_bt_col, mask=tok_ok, other=0).to(tl.int64)
-        off = (toks % BS).to(tl.int64)
-
-        kt = _load_tile(kc_ptr, (phys * stride_kb + k_head + off * stride_kt)[None, :], dims[:, None],
-                        tok_ok[None, :] & dim_ok[:, None], FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
-        if DOT16:  # FP8 and same-dtype values are exact in the query's 16-bit type
-            s = tl.dot(q, kt.to(q.dtype))
-        else:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        s = s * qk_scale
-        if HAS_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        if HAS_ALIBI:
-            s = s + slopes[:, None] * (toks[None, :] - pos[:, None]).to(tl.float32)
-        keep = tok_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            keep = keep & (toks[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            keep = keep & (toks[None, :] > pos[:, None] - window)
-        s = tl.where(keep, s * LOG2E, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = _load_tile(vc_ptr, (phys * stride_vb + v_head + off * stride_vt)[:, None], dims[None, :],
-                       tok_ok[:, None] & dim_ok[None, :], FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
-        if DOT16:
-            v = v.to(q.dtype)
-        else:
-            v = v.to(tl.float32)
-        # A token some rows of the tile keep and others mask (the causal band, a window edge): a
-        # non-finite V there must reach only the rows that keep it (0 * NaN in the product would
-        # reach the others). Checked only on such tiles; the fix-up runs only when one is there.
-        # (Without causality every row keeps every token: a window is refused with causal=False.)
-        pv = _pv(p, v, DOT16)
-        if CAUSAL:
-            partial = tl.minimum(n0 + BLOCK_N, hi) - 1 > first
-            if HAS_WINDOW:
-                partial = partial | (n0 <= last - window)
-            bad = slot * 0
-            if partial:
-                bad = tl.sum(tl.sum(((v != v) | (v == INF) | (v == -INF)).to(tl.int32), 1), 0)
-            if bad > 0:
-                v_fin = tl.where((v != v) | (v == INF) | (v == -INF), 0.0, v).to(v.dtype)
-                pv = _pv(p, v_fin, DOT16) + _nonfinite_part(keep, v, DOT16)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    bt_row = bt_ptr + seq64 * stride_bt
+    k_base = kc_ptr + kvh * stride_kh
+    v_base = vc_ptr + kvh * stride_vh
+    # Key tiles start at lo, BLOCK_N apart. The middle ones, whose every key every row keeps (below
+    # the first row's diagonal, inside the last row's window, before L), skip all masking; the
+    # edge tiles mask. Padding rows (past q_len or the group) need no mask: their output is never
+    # stored, and their q = 0 keeps them finite.
+    if CAUSAL:
+        full_hi = first + 1
+    else:
+        full_hi = L
+    full_lo = lo
+    if HAS_WINDOW:
+        full_lo = tl.maximum(last - window + 1, lo)
+    n_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    k0 = tl.minimum(tl.cdiv(full_lo - lo, BLOCK_N), n_tiles)          # first full tile
+    k1 = tl.maximum(tl.maximum(full_hi - lo, 0) // BLOCK_N, k0)          # one past the last
+    for k in range(0, k0):
+        m_i, l_i, acc = _key_tile(m_i, l_i, acc, q, lo + k * BLOCK_N, hi, pos, row_ok, dims, dim_ok,
+                                  slopes, qk_scale, soft_cap, window, bt_row, stride_bt_col, k_base, v_base,
+                                  stride_kb, stride_kt, stride_vb, stride_vt,
+                                  True, BLOCK_M, BLOCK_N, D_PAD, BS, FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL,
+                                  DOT16, HAS_ALIBI, HAS_SOFTCAP, HAS_WINDOW, CAUSAL, EVEN_D)
+    for k in range(k0, k1):
+        m_i, l_i, acc = _key_tile(m_i, l_i, acc, q, lo + k * BLOCK_N, hi, pos, row_ok, dims, dim_ok,
+                                  slopes, qk_scale, soft_cap, window, bt_row, stride_bt_col, k_base, v_base,
+                                  stride_kb, stride_kt, stride_vb, stride_vt,
+                                  False, BLOCK_M, BLOCK_N, D_PAD, BS, FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL,
+                                  DOT16, HAS_ALIBI, HAS_SOFTCAP, HAS_WINDOW, CAUSAL, EVEN_D)
+    for k in range(k1, n_tiles):
+        m_i, l_i, acc = _key_tile(m_i, l_i, acc, q, lo + k * BLOCK_N, hi, pos, row_ok, dims, dim_ok,
+                                  slopes, qk_scale, soft_cap, window, bt_row, stride_bt_col, k_base, v_base,
+                                  stride_kb, stride_kt, stride_vb, stride_vt,
+                                  True, BLOCK_M, BLOCK_N, D_PAD, BS, FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL,
+                                  DOT16, HAS_ALIBI, HAS_SOFTCAP, HAS_WINDOW, CAUSAL, EVEN_D)
 
     if V_SCALE_STRIDE >= 0:
         v_scale = v_scale * tl.load(vs_ptr + kvh * V_SCALE_STRIDE)
