@@ -163,6 +163,22 @@ def decode_table(encoding: Encoding | torch.dtype, dtype: torch.dtype = torch.fl
     return _table_cache(encoding_of(encoding), dtype, torch.device(device))
 
 
+def decode_pair_table(encoding: Encoding | torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The values of every pair of bytes as float32 pairs: an int64 tensor of 65536 entries, entry
+    ``lo | hi << 8`` holding the float32 bits of byte ``lo`` in its low half and of byte ``hi`` in
+    its high half. On a little-endian host, two adjacent bytes read as one uint16 index this table,
+    and the int64 results viewed as float32 are the two values in order (half the lookups of
+    :func:`decode_table`). Built from :func:`decode_table`, so exact likewise."""
+    return _pair_table_cache(encoding_of(encoding), torch.device(device))
+
+
+@functools.cache
+def _pair_table_cache(enc: Encoding, device: torch.device) -> torch.Tensor:
+    bits = _table_cache(enc, torch.float32, torch.device("cpu")).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    pair = torch.arange(1 << 16)
+    return ((bits[pair >> 8] << 32) | bits[pair & 0xFF]).to(device)
+
+
 @functools.cache
 def _torch_cast_is_exact(dtype: torch.dtype, device: str) -> bool:
     """Whether torch's own float8 -> float32 cast equals the decode table on every byte (NaN as NaN)

@@ -27,9 +27,8 @@ then split by ``q_len``:
   online softmax (m, l, acc in float32). Masks are built only for sub-tiles that cross the
   diagonal or a window edge.
 
-Precision as in torch_path: float32 arithmetic, the query cast to float32, FP8 decoded exactly
-through hal.fp8's 256-entry bit-layout table (``decode_table``, indexed; ``decode_values`` off the
-CPU); ``scale * k_scale`` multiplies the logits once (on the long path it is folded into the
+Precision as in torch_path: float32 arithmetic, the query cast to float32, pages read and FP8
+decoded exactly by :mod:`pages` (as torch_path); ``scale * k_scale`` multiplies the logits once (on the long path it is folded into the
 float32 query, one multiply per query element), ``v_scale`` the output once.
 
 Masked positions contribute exactly nothing. Positions outside every row's read set are never
@@ -47,7 +46,7 @@ import math
 
 import torch
 
-from hal import fp8
+from . import pages
 
 # Elements of float32 K (or V) one chunk may hold (as torch_path): 16 MiB on CPUs, 64 MiB elsewhere.
 _CHUNK_ELEMENTS = {"cpu": 1 << 22}
@@ -58,8 +57,6 @@ _TILE_ROWS = 256
 _TILE_KEYS = 512
 # Sequences with at most this many rows run batched (bucketed by powers of two), longer ones in tiles.
 _SHORT_MAX = 8
-# Bytes decoded per piece (the int32 index buffer: 1 MiB, stays in cache).
-_DECODE_PIECE = 1 << 18
 # Elements of the temporary [.., rows, nb, head_size] product when V holds non-finite values.
 _FIX_ELEMENTS = 1 << 22
 
@@ -77,42 +74,9 @@ def _logit_scale(scale: float, k_scale, hkv: int, device) -> torch.Tensor | floa
     return _per_head(k_scale, hkv, device) * scale
 
 
-def _decode_into(raw: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, indexed: bool | None = None) -> torch.Tensor:
-    """FP8 bytes ``raw`` (uint8, contiguous) as the float32 numbers they hold, exactly, into ``out``
-    (contiguous, as many elements, any shape): ``indexed`` (default: on a CPU) through hal.fp8's
-    256-entry bit-layout table with index_select (~1 ns a byte on a core, 2-6x faster than torch's
-    e4m3 casts), in pieces so that the int32 indices stay one small reused buffer; otherwise
-    hal.fp8.decode_values."""
-    if indexed is None:
-        indexed = raw.device.type == "cpu"
-    if not indexed:
-        fp8.decode_values(raw.view(dtype), out.view(raw.shape))
-        return out
-    table = fp8.decode_table(dtype, torch.float32, raw.device)
-    src, dst = raw.reshape(-1), out.view(-1)
-    n = src.numel()
-    idx = torch.empty(min(n, _DECODE_PIECE), dtype=torch.int32)
-    for a in range(0, n, _DECODE_PIECE):
-        b = min(a + _DECODE_PIECE, n)
-        piece = idx[:b - a]
-        piece.copy_(src[a:b])
-        torch.index_select(table, 0, piece, out=dst[a:b])
-    return out
-
-
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Pages ``blocks`` [..., nblk] of ``cache`` (read through its strides) as float32
-    [..., hkv, nblk * bs, d]; gathered and made head-major while 1-2 bytes wide, widened once."""
-    _, hkv, bs, d = cache.shape
-    lead, nblk = blocks.shape[:-1], blocks.shape[-1]
-    raw = cache.view(torch.uint8) if fp8.is_fp8(cache.dtype) else cache
-    pages = raw[blocks].movedim(-3, -4).contiguous()                     # [..., hkv, nblk, bs, d]
-    out = torch.empty((*lead, hkv, nblk * bs, d), dtype=torch.float32, device=cache.device)
-    if fp8.is_fp8(cache.dtype):
-        _decode_into(pages, cache.dtype, out)
-    else:
-        out.copy_(pages.view(out.shape))
-    return out
+    """Pages ``blocks`` [..., nblk] of ``cache`` as float32 [..., hkv, nblk * bs, d] (:mod:`pages`)."""
+    return pages.gather(cache, blocks)
 
 
 def _finite_part(v: torch.Tensor) -> torch.Tensor:
