@@ -31,36 +31,16 @@ def _per_head(s, hkv: int, device) -> torch.Tensor:
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
                     v_scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None,
                     sequences=None) -> torch.Tensor:
-    """float64 [num_seqs, num_heads, head_size] on the query's device; only the pages each sequence
-    uses are read, so it scales to large caches (rows not in ``sequences`` stay zero)."""
-    dev = query.device
-    q = query.detach().to(torch.float64)
-    n, h, d = q.shape
-    hkv, bs = key_cache.shape[1], key_cache.shape[2]
-    g = h // hkv
-    ks, vs = _per_head(k_scale, hkv, dev), _per_head(v_scale, hkv, dev)
-    sm = d ** -0.5 if scale is None else scale
-    lens = seq_lens.cpu().to(torch.int64)
-    slopes = None if alibi_slopes is None else alibi_slopes.detach().to(dev, torch.float64)
-    out = torch.zeros((n, h, d), dtype=torch.float64, device=dev)
-    for i in (range(n) if sequences is None else sequences):
-        length = int(lens[i])
-        lo = 0 if sliding_window is None else max(0, length - sliding_window)
-        pos = torch.arange(lo, length, device=dev)
-        if pos.numel() == 0:
-            continue
-        blocks, offs = block_tables[i].to(torch.int64)[pos // bs], pos % bs
-        keys = _rows(key_cache, blocks, offs) * ks[None, :, None]          # [len, hkv, d]
-        vals = _rows(value_cache, blocks, offs) * vs[None, :, None]
-        qi = q[i].view(hkv, g, d)
-        logits = torch.einsum("hgd,thd->hgt", qi, keys) * sm              # [hkv, g, len]
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-        if slopes is not None:
-            logits = logits + slopes.view(hkv, g, 1) * (pos - (length - 1)).to(torch.float64)
-        w = torch.softmax(logits, dim=-1)
-        out[i] = torch.einsum("hgt,thd->hgd", w, vals).reshape(h, d)
-    return out
+    """float64 [num_seqs, num_heads, head_size] on the query's device for one query row per
+    sequence (decode: the row sits at position L - 1 and sees every key of its window); only the
+    pages each sequence uses are read, so it scales to large caches (rows not in ``sequences`` and
+    empty sequences stay zero). :func:`paged_attention_varlen` with one row per sequence."""
+    n = query.shape[0]
+    qsl = torch.arange(n + 1, dtype=torch.int64)
+    return paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, qsl, causal=True,
+                                  scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                  logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
+                                  sequences=sequences)
 
 
 def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, causal=True,
@@ -90,6 +70,8 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
             continue
         lo = 0 if sliding_window is None else max(0, length - q_len - sliding_window + 1)
         pos = torch.arange(lo, length, device=dev)                          # every key some row sees
+        if pos.numel() == 0:  # an empty sequence (its rows stay zero)
+            continue
         blocks, offs = block_tables[i].to(torch.int64)[pos // bs], pos % bs
         keys = _rows(key_cache, blocks, offs) * ks[None, :, None]           # [len, hkv, d]
         vals = _rows(value_cache, blocks, offs) * vs[None, :, None]

@@ -274,3 +274,101 @@ def cache_write_call(key, value, key_cache, value_cache, slot_mapping, k_scale, 
     ck = CallKey("cache_kv", key.device.type, key.dtype, key_cache.dtype, d, bs, 1)
     return CacheWriteCall(ck, target(), Geometry(0, 0, hkv, d, bs, nb, key.shape[0]), key, value, key_cache,
                           value_cache, slot_mapping, k_scale, v_scale)
+
+
+# --- several query tokens per sequence (query_start_loc) -----------------------------------------
+
+# (seq_lens, q_lens) per geometry
+GEOMETRIES = {
+    "prefill": ([1, 5, 16, 33, 130], [1, 5, 16, 33, 130]),
+    "chunked": ([40, 100, 257, 64], [17, 9, 200, 64]),
+    "mixed": ([300, 1, 77, 50, 0, 20, 130, 9, 64], [120, 1, 0, 1, 0, 3, 130, 9, 1]),
+    "speculative": ([50, 51, 60, 33, 80, 12], [2, 3, 4, 5, 8, 7]),
+    "decode": ([1, 33, 16, 64, 127], [1, 1, 1, 1, 1]),
+}
+
+
+@dataclasses.dataclass
+class VCase:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    k_scale: object
+    v_scale: object
+    kwargs: dict
+    causal: bool = True
+
+    def reference(self) -> np.ndarray:
+        return reference.paged_attention_varlen(self.query, self.key_cache, self.value_cache, self.block_tables,
+                                                self.seq_lens, self.query_start_loc, causal=self.causal,
+                                                k_scale=self.k_scale, v_scale=self.v_scale, **self.kwargs)
+
+    def hal_reference(self) -> torch.Tensor:
+        from hal import reference as hal_reference
+
+        return hal_reference.paged_attention_varlen(self.query, self.key_cache, self.value_cache, self.block_tables,
+                                                    self.seq_lens, self.query_start_loc, causal=self.causal,
+                                                    k_scale=self.k_scale, v_scale=self.v_scale, **self.kwargs)
+
+    def run(self, *, query=None, key_cache=None, value_cache=None, scale=None, max_seq_len=None,
+            max_query_len=None) -> torch.Tensor:
+        """The emu PyTorch multi-token path on this case, into a NaN-poisoned output."""
+        from hal.kernelpacks.emu import torch_prefill
+
+        q = self.query if query is None else query
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)         # poisoned: every row must be written
+        kw = self.kwargs
+        torch_prefill.paged_attention_varlen(
+            out, q, self.key_cache if key_cache is None else key_cache,
+            self.value_cache if value_cache is None else value_cache, self.block_tables, self.seq_lens,
+            q.shape[-1] ** -0.5 if scale is None else scale, self.k_scale, self.v_scale, kw.get("alibi_slopes"),
+            kw.get("logits_soft_cap"), kw.get("sliding_window"), max_seq_len, self.query_start_loc,
+            max_query_len, self.causal)
+        return out
+
+
+def read_slots_varlen(block_tables, seq_lens, q_lens, block_size, num_blocks, sliding_window=None) -> torch.Tensor:
+    """[num_blocks, block_size] bool: the slots some query row attends to."""
+    read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    tables = block_tables.cpu().to(torch.int64)
+    for i, (L, ql) in enumerate(zip(seq_lens, q_lens)):
+        if ql == 0:
+            continue
+        lo = 0 if sliding_window is None else max(0, L - ql - sliding_window + 1)
+        pos = torch.arange(lo, L)
+        read[tables[i, pos // block_size], pos % block_size] = True
+    return read
+
+
+def make_varlen(seq_lens, q_lens, *, causal=True, garbage=True, seed=0, query_dtype=torch.bfloat16, **kw) -> VCase:
+    assert len(seq_lens) == len(q_lens) and all(0 <= q <= L for L, q in zip(seq_lens, q_lens))
+    c = make_case(seq_lens=seq_lens, garbage=False, seed=seed, query_dtype=query_dtype, **kw)
+    qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    h, d = c.query.shape[1:]
+    q = torch.randn((int(qsl[-1]), h, d), generator=gen).to(query_dtype)
+    if garbage:
+        read = read_slots_varlen(c.block_tables, seq_lens, q_lens, c.key_cache.shape[2], c.key_cache.shape[0],
+                                 c.kwargs.get("sliding_window"))
+        poison_unread(c.key_cache, read)
+        poison_unread(c.value_cache, read)
+    return VCase(q, c.key_cache, c.value_cache, c.block_tables, c.seq_lens, qsl, c.k_scale, c.v_scale, c.kwargs,
+                 causal)
+
+
+def row_positions(case: VCase) -> list[tuple[int, int, int]]:
+    """(sequence, row, position) for every query row."""
+    qsl, lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
+    return [(i, r, lens[i] - (qsl[i + 1] - qsl[i]) + (r - qsl[i]))
+            for i in range(len(lens)) for r in range(qsl[i], qsl[i + 1])]
+
+
+def set_cache_element(cache, block, head, off, col, value: float):
+    if cache.dtype in FP8:
+        cache.view(torch.uint8)[block, head, off, col] = 0x80 if cache.dtype in (
+            torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) else 0x7F
+    else:
+        cache[block, head, off, col] = value

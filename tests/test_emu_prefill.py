@@ -16,7 +16,6 @@ set is [max(0, L - q_len - w + 1), L) with a window w, [0, L) without, and nothi
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import numpy as np
@@ -24,7 +23,8 @@ import pytest
 import torch
 
 import reference
-from cases import FEATURES, FP8, alibi_slopes, make_case, poison_unread, tolerance_ok
+from cases import (FEATURES, FP8, GEOMETRIES, VCase, alibi_slopes, make_varlen, read_slots_varlen, row_positions,
+                   poison_unread, set_cache_element, tolerance_ok)
 from hal import reference as hal_reference
 from hal.kernelpacks.emu import torch_path, torch_prefill
 
@@ -32,80 +32,6 @@ pytestmark = pytest.mark.emu
 
 ALL_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8)
 
-# (seq_lens, q_lens) per geometry
-GEOMETRIES = {
-    "prefill": ([1, 5, 16, 33, 130], [1, 5, 16, 33, 130]),
-    "chunked": ([40, 100, 257, 64], [17, 9, 200, 64]),
-    "mixed": ([300, 1, 77, 50, 0, 20, 130, 9, 64], [120, 1, 0, 1, 0, 3, 130, 9, 1]),
-    "speculative": ([50, 51, 60, 33, 80, 12], [2, 3, 4, 5, 8, 7]),
-    "decode": ([1, 33, 16, 64, 127], [1, 1, 1, 1, 1]),
-}
-
-
-@dataclasses.dataclass
-class VCase:
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    k_scale: object
-    v_scale: object
-    kwargs: dict
-    causal: bool = True
-
-    def reference(self) -> np.ndarray:
-        return reference.paged_attention_varlen(self.query, self.key_cache, self.value_cache, self.block_tables,
-                                                self.seq_lens, self.query_start_loc, causal=self.causal,
-                                                k_scale=self.k_scale, v_scale=self.v_scale, **self.kwargs)
-
-    def hal_reference(self) -> torch.Tensor:
-        return hal_reference.paged_attention_varlen(self.query, self.key_cache, self.value_cache, self.block_tables,
-                                                    self.seq_lens, self.query_start_loc, causal=self.causal,
-                                                    k_scale=self.k_scale, v_scale=self.v_scale, **self.kwargs)
-
-    def run(self, *, query=None, key_cache=None, value_cache=None, scale=None, max_seq_len=None,
-            max_query_len=None) -> torch.Tensor:
-        q = self.query if query is None else query
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype)         # poisoned: every row must be written
-        kw = self.kwargs
-        torch_prefill.paged_attention_varlen(
-            out, q, self.key_cache if key_cache is None else key_cache,
-            self.value_cache if value_cache is None else value_cache, self.block_tables, self.seq_lens,
-            q.shape[-1] ** -0.5 if scale is None else scale, self.k_scale, self.v_scale, kw.get("alibi_slopes"),
-            kw.get("logits_soft_cap"), kw.get("sliding_window"), max_seq_len, self.query_start_loc,
-            max_query_len, self.causal)
-        return out
-
-
-def read_slots_varlen(block_tables, seq_lens, q_lens, block_size, num_blocks, sliding_window=None) -> torch.Tensor:
-    """[num_blocks, block_size] bool: the slots some query row attends to."""
-    read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    tables = block_tables.cpu().to(torch.int64)
-    for i, (L, ql) in enumerate(zip(seq_lens, q_lens)):
-        if ql == 0:
-            continue
-        lo = 0 if sliding_window is None else max(0, L - ql - sliding_window + 1)
-        pos = torch.arange(lo, L)
-        read[tables[i, pos // block_size], pos % block_size] = True
-    return read
-
-
-def make_varlen(seq_lens, q_lens, *, causal=True, garbage=True, seed=0, query_dtype=torch.bfloat16, **kw) -> VCase:
-    assert len(seq_lens) == len(q_lens) and all(0 <= q <= L for L, q in zip(seq_lens, q_lens))
-    c = make_case(seq_lens=seq_lens, garbage=False, seed=seed, query_dtype=query_dtype, **kw)
-    qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
-    gen = torch.Generator().manual_seed(seed + 1000)
-    h, d = c.query.shape[1:]
-    q = torch.randn((int(qsl[-1]), h, d), generator=gen).to(query_dtype)
-    if garbage:
-        read = read_slots_varlen(c.block_tables, seq_lens, q_lens, c.key_cache.shape[2], c.key_cache.shape[0],
-                                 c.kwargs.get("sliding_window"))
-        poison_unread(c.key_cache, read)
-        poison_unread(c.value_cache, read)
-    return VCase(q, c.key_cache, c.value_cache, c.block_tables, c.seq_lens, qsl, c.k_scale, c.v_scale, c.kwargs,
-                 causal)
 
 
 def _torch_path_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
@@ -134,13 +60,6 @@ def _check_nan_pattern(out: torch.Tensor, ref: np.ndarray, expect_nan: np.ndarra
     keep = ~expect_nan
     ok, msg = tolerance_ok(out[torch.from_numpy(keep)], ref[keep])
     assert ok, msg
-
-
-def _positions(case: VCase) -> list[tuple[int, int, int]]:
-    """(sequence, row, position) for every query row."""
-    qsl, lens = case.query_start_loc.tolist(), case.seq_lens.tolist()
-    return [(i, r, lens[i] - (qsl[i + 1] - qsl[i]) + (r - qsl[i]))
-            for i in range(len(lens)) for r in range(qsl[i], qsl[i + 1])]
 
 
 # --- geometry -------------------------------------------------------------------------------------
@@ -359,14 +278,6 @@ def test_unread_cache_bytes_contribute_nothing(cache_dtype):
     _check(case)
 
 
-def _set_cache(cache, block, head, off, col, value: float):
-    if cache.dtype in FP8:
-        cache.view(torch.uint8)[block, head, off, col] = 0x80 if cache.dtype in (
-            torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) else 0x7F
-    else:
-        cache[block, head, off, col] = value
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("where", ["query", "key", "value", "alibi"])
 def test_nan_inputs_give_nan_exactly_where_they_take_part(where, cache_dtype, monkeypatch):
@@ -382,7 +293,7 @@ def test_nan_inputs_give_nan_exactly_where_they_take_part(where, cache_dtype, mo
     g = h // hkv
     kw = dict(alibi_slopes=alibi_slopes(h)) if where == "alibi" else {}
     case = make_varlen(lens, qls, num_heads=h, num_kv_heads=hkv, cache_dtype=cache_dtype, seed=21, **kw)
-    pos = _positions(case)
+    pos = row_positions(case)
     expect = np.zeros(case.query.shape, dtype=bool)
     if where == "query":
         for r in (5, 61, 66):                  # long path, few-row path, decode row
@@ -395,7 +306,7 @@ def test_nan_inputs_give_nan_exactly_where_they_take_part(where, cache_dtype, mo
         cache = case.key_cache if where == "key" else case.value_cache
         for s, j in ((0, 50), (1, 27), (3, 39)):       # inside the new rows of 0 and 1; the decode row's last key
             blk = int(case.block_tables[s, j // 16])
-            _set_cache(cache, blk, 1, j % 16, 5, float("nan"))
+            set_cache_element(cache, blk, 1, j % 16, 5, float("nan"))
             for i, r, p in pos:
                 if i == s and p >= j:
                     if where == "key":
@@ -415,7 +326,7 @@ def test_infinite_value_in_the_band_stays_out_of_rows_that_mask_it():
     ref = case.reference()
     o = out.to(torch.float64).numpy()
     clean = np.ones(o.shape[:1], dtype=bool)
-    for i, r, p in _positions(case):
+    for i, r, p in row_positions(case):
         clean[r] = p < (40 if i == 0 else 18)
     ok, msg = tolerance_ok(out[torch.from_numpy(clean)], ref[clean])
     assert ok, msg

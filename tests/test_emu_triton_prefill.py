@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from cases import FEATURES, FP8, alibi_slopes, attention_call, gpu_tolerance_ok, poison_unread
-from test_emu_prefill import GEOMETRIES, _positions, _set_cache, make_varlen, read_slots_varlen
+from cases import GEOMETRIES, make_varlen, read_slots_varlen, row_positions, set_cache_element
 
 try:
     import triton
@@ -133,8 +133,8 @@ def check_nan(device, where, cache_dtype) -> None:
     else:
         cache = case.key_cache if where == "key" else case.value_cache
         for s, j in ((0, 50), (1, 27), (3, 39)):
-            _set_cache(cache, int(case.block_tables[s, j // 16]), 1, j % 16, 5, float("nan"))
-            for i, r, p in _positions(case):
+            set_cache_element(cache, int(case.block_tables[s, j // 16]), 1, j % 16, 5, float("nan"))
+            for i, r, p in row_positions(case):
                 if i == s and p >= j:
                     expect[r, g:2 * g, slice(None) if where == "key" else 5] = True
     out, ref = run(case, device).cpu().to(torch.float64).numpy(), case.reference()

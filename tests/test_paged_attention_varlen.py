@@ -11,7 +11,7 @@ import torch
 
 import hal
 from cases import make_case, tolerance_ok
-from test_emu_prefill import make_varlen
+from cases import make_varlen
 
 pytestmark = pytest.mark.emu
 

@@ -87,11 +87,10 @@ def decode_fp8_fp16(raw, EXP: tl.constexpr, FNUZ: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(cache_ptr, rows, dims, mask, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr,
-               MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
-    """A gathered K or V tile (masked elements are 0, never NaN: they meet p = 0). FP8 comes back
-    scaled by 2^(bias-15) when FAST16, else as exact float32; other caches in their own dtype."""
-    raw = tl.load(cache_ptr + rows + dims, mask=mask, other=0)
+def _widen(raw, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
+           FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
+    """Loaded cache elements as numbers: FP8 scaled by 2^(bias-15) when FAST16, else exact float32;
+    other caches unchanged."""
     if FP8:  # one return: Triton checks every return's type, even in untaken constexpr branches
         if FAST16:
             raw = decode_fp8_fp16(raw, EXP, FNUZ)
@@ -101,16 +100,31 @@ def _load_tile(cache_ptr, rows, dims, mask, FP8: tl.constexpr, FAST16: tl.conste
 
 
 @triton.jit
+def _load_tile(cache_ptr, rows, dims, mask, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr,
+               MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
+    """A gathered K or V tile (masked elements are 0, never NaN: they meet p = 0), widened."""
+    return _widen(tl.load(cache_ptr + rows + dims, mask=mask, other=0), FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+
+
+@triton.jit
 def _load_tile_full(cache_ptr, rows, dims, FP8: tl.constexpr, FAST16: tl.constexpr, EXP: tl.constexpr,
                     MAN: tl.constexpr, BIAS: tl.constexpr, FNUZ: tl.constexpr, SUBNORMAL: tl.constexpr):
     """:func:`_load_tile` of a tile every element of which is read (no mask to evaluate)."""
-    raw = tl.load(cache_ptr + rows + dims)
-    if FP8:
-        if FAST16:
-            raw = decode_fp8_fp16(raw, EXP, FNUZ)
-        else:
-            raw = decode_fp8(raw, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
-    return raw
+    return _widen(tl.load(cache_ptr + rows + dims), FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
+
+
+@triton.jit
+def _scores(q, kt, qk_scale, soft_cap, DOT16: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """q [M, D] @ kt [D, N] times the folded logit scale, soft-capped: 16-bit operands where DOT16
+    (FP8 and same-dtype values are exact in the query's 16-bit type), else IEEE float32."""
+    if DOT16:
+        s = tl.dot(q, kt.to(q.dtype))
+    else:
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    s = s * qk_scale
+    if HAS_SOFTCAP:
+        s = soft_cap * _tanh(s / soft_cap)
+    return s
 
 
 @triton.jit
@@ -180,13 +194,7 @@ def attn_partition_kernel(
         k_rows = phys * stride_kb + slot
         kt = _load_tile(kc_ptr, k_rows[None, :], dims[:, None], tok_ok[None, :] & dim_ok[:, None],
                         FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)  # [D_PAD, BLOCK_N]
-        if DOT16:  # FP8 and same-dtype values are exact in the query's 16-bit type
-            s = tl.dot(q, kt.to(q.dtype))
-        else:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        s = s * qk_scale
-        if HAS_SOFTCAP:
-            s = soft_cap * _tanh(s / soft_cap)
+        s = _scores(q, kt, qk_scale, soft_cap, DOT16, HAS_SOFTCAP)
         if HAS_ALIBI:
             s = s + slopes[:, None] * (toks - (L - 1)).to(tl.float32)[None, :]
         s = tl.where(tok_ok[None, :], s * LOG2E, float("-inf"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import LOG2E, _load_tile, _load_tile_full, _tanh
+from .triton_kernels import LOG2E, _load_tile, _load_tile_full, _scores
 
 INF = tl.constexpr(float("inf"))
 
@@ -87,13 +87,7 @@ def _key_tile(m_i, l_i, acc, q, n0, hi, pos, row_ok, dims, dim_ok, slopes, qk_sc
     else:
         kt = _load_tile(k_base, k_rows, dims[:, None], dim_ok[:, None] & (toks >= 0)[None, :],
                         FP8, FAST16, EXP, MAN, BIAS, FNUZ, SUBNORMAL)
-    if DOT16:  # FP8 and same-dtype values are exact in the query's 16-bit type
-        s = tl.dot(q, kt.to(q.dtype))
-    else:
-        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-    s = s * qk_scale
-    if HAS_SOFTCAP:
-        s = soft_cap * _tanh(s / soft_cap)
+    s = _scores(q, kt, qk_scale, soft_cap, DOT16, HAS_SOFTCAP)
     if HAS_ALIBI:
         s = s + slopes[:, None] * (toks[None, :] - pos[:, None]).to(tl.float32)
     if MASKED:
