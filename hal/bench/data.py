@@ -15,21 +15,15 @@ import math
 
 import torch
 
-from hal import fp8
+from hal import dtypes, fp8
 from hal.bench.shapes import Shape
 
-DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32,
-    "e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
-    "e5m2": torch.float8_e5m2, "e5m2fnuz": torch.float8_e5m2fnuz,
-}
+# The names hal.dtypes knows (short and torch's), as the bench's options take them.
+DTYPES = {**{v: d for d, v in dtypes.SHORT.items()}, **{dtypes.name(d): d for d in dtypes.SHORT}, "half": torch.float16}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.").removeprefix("float8_").replace("bfloat16", "bf16") \
-        .replace("float16", "fp16").replace("float32", "fp32")
+    return dtypes.short(dtype)
 
 
 def parse_dtypes(text: str) -> list[torch.dtype]:

@@ -32,12 +32,11 @@ import time
 import torch
 from rich.console import Console
 from hal.cli import hal_log_to
+from hal.dtypes import SHORT
 from rich.markup import escape
 from rich.table import Table
 
-CACHE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-               "e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz,
-               "e5m2": torch.float8_e5m2, "e5m2fnuz": torch.float8_e5m2fnuz}
+CACHE_NAMES = {short: dtype for dtype, short in SHORT.items()}   # bf16, fp16, fp32, e4m3fn, ...
 
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
