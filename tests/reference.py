@@ -146,3 +146,35 @@ def max_abs(a, b) -> float:
 
 
 __all__ = ["cache_values", "paged_attention", "paged_attention_varlen", "quantize", "relative_l2", "max_abs", "math"]
+
+
+def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, query_start_loc=None, *, scale,
+               ckv_scale=None, kpe_scale=None) -> np.ndarray:
+    """float64 [total_q, num_heads, R]: MLA in its absorbed form (design.md). Row t of a sequence's
+    q_len rows sits at position L - q_len + t and sees keys j <= that position;
+    s_j = (q_nope . c_j * ckv_scale + q_pe . kpe_j * kpe_scale) * scale, out = ckv_scale * softmax(s) @ c."""
+    qn = q_nope.detach().cpu().to(torch.float64).numpy()
+    qp = q_pe.detach().cpu().to(torch.float64).numpy()
+    c = cache_values(ckv_cache) * (1.0 if ckv_scale is None else float(ckv_scale))   # [nb, bs, R]
+    kp = cache_values(kpe_cache) * (1.0 if kpe_scale is None else float(kpe_scale))   # [nb, bs, P]
+    bs = c.shape[1]
+    tables = block_tables.cpu().numpy()
+    lens = seq_lens.cpu().numpy()
+    n = len(lens)
+    qsl = np.arange(n + 1) if query_start_loc is None else query_start_loc.cpu().numpy()
+    out = np.zeros(qn.shape)
+    for i in range(n):
+        L, q0, q1 = int(lens[i]), int(qsl[i]), int(qsl[i + 1])
+        for r in range(q0, q1):
+            p = L - (q1 - q0) + (r - q0)
+            positions = np.arange(0, p + 1)
+            if positions.size == 0:
+                continue
+            blocks, offsets = tables[i, positions // bs], positions % bs
+            cj, kj = c[blocks, offsets], kp[blocks, offsets]              # [t, R], [t, P]
+            s = (qn[r] @ cj.T + qp[r] @ kj.T) * scale                     # [h, t]
+            s = s - s.max(axis=-1, keepdims=True)
+            w = np.exp(s)
+            w /= w.sum(axis=-1, keepdims=True)
+            out[r] = w @ cj
+    return out
