@@ -163,3 +163,32 @@ def test_hal_reference_agrees_with_the_test_reference():
                                  ckv_scale=case["ckv_scale"], kpe_scale=case["kpe_scale"]).numpy()
     b = ref(case)
     assert np.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("ckv_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("combined", [False, True])
+def test_cache_mla_bytes_equal_encode_bytes(ckv_dtype, combined):
+    """cache_mla stores encode_bytes(x / scale) at each slot, skips negative slots, touches nothing else."""
+    gen = torch.Generator().manual_seed(10)
+    nb, bs, r, p = 5, 16, 64, 16
+    kpe_dtype = ckv_dtype if combined else torch.bfloat16
+    if combined:
+        kv = torch.zeros(nb, bs, r + p, dtype=ckv_dtype)
+        ckv, kpe = kv[..., :r], kv[..., r:]
+    else:
+        ckv, kpe = torch.zeros(nb, bs, r, dtype=ckv_dtype), torch.zeros(nb, bs, p, dtype=kpe_dtype)
+    before_c, before_p = ckv.view(torch.uint8).clone(), kpe.view(torch.uint8).clone()
+    kv_c, k_pe = torch.randn(6, r, generator=gen).to(torch.bfloat16), torch.randn(6, p, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([3, 17, -1, 40, 79, 0])
+    cs = 0.02 if ckv_dtype in FP8 else None
+    ps = 0.03 if kpe_dtype in FP8 else None
+    torch_mla.cache_mla(kv_c, k_pe, ckv, kpe, slots, cs, ps)
+    for x, cache, s, before in ((kv_c, ckv, cs, before_c), (k_pe, kpe, ps, before_p)):
+        want = before.clone()
+        for t, slot in enumerate(slots.tolist()):
+            if slot < 0:
+                continue
+            v = x[t].float() / torch.tensor(1.0 if s is None else s)
+            enc = fp8.encode_bytes(v, cache.dtype) if cache.dtype in FP8 else v.to(cache.dtype).view(torch.uint8)
+            want[slot // bs, slot % bs] = enc
+        assert torch.equal(cache.view(torch.uint8), want)
