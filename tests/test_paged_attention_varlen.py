@@ -118,3 +118,27 @@ def test_opcheck_and_compile_with_query_start_loc(mixed):
     got = compiled(c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens, c.query_start_loc)
     want = step(c.query, c.key_cache, c.value_cache, c.block_tables, c.seq_lens, c.query_start_loc)
     assert torch.equal(got, want)
+
+
+def test_multi_token_and_decode_calls_run_without_triton(tmp_path):
+    """A CPU install has no triton (the CPU torch wheel does not bring it): the emu PyTorch paths
+    must not import it (a multi-token call once did, and hal-demo failed on a fresh machine)."""
+    import subprocess
+    import sys
+    code = """
+import sys
+sys.modules["triton"] = None          # import triton raises ImportError
+import torch, hal
+kc = torch.randn(4, 2, 8, 64).to(torch.bfloat16); vc = torch.randn(4, 2, 8, 64).to(torch.bfloat16)
+bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32); lens = torch.tensor([10, 16], dtype=torch.int32)
+q = torch.randn(5, 4, 64).to(torch.bfloat16)
+out = hal.paged_attention(q, kc, vc, bt, lens, query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32))
+dec = hal.paged_attention(q[:2], kc, vc, bt, lens)
+assert torch.isfinite(out).all() and torch.isfinite(dec).all()
+print("ok")
+"""
+    import os
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path),
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

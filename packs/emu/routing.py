@@ -24,11 +24,14 @@ def _module(device, *caches):
 
 def paged_attention(call) -> None:
     if call.query_start_loc is not None:  # several rows per sequence
-        from . import torch_prefill, triton_prefill
         gpu = call.query.device.type == "cuda" and triton_usable() is None
         # triton_prefill hands pure-decode batches to triton_path, which indexes blocks densely
-        fast = gpu and _dense_blocks(call.key_cache, call.value_cache)
-        (triton_prefill if fast else torch_prefill).paged_attention(call)
+        if gpu and _dense_blocks(call.key_cache, call.value_cache):
+            from . import triton_prefill  # imports triton: only where triton is usable
+            triton_prefill.paged_attention(call)
+        else:
+            from . import torch_prefill
+            torch_prefill.paged_attention(call)
         return
     _module(call.query.device, call.key_cache, call.value_cache).paged_attention(call)
 
