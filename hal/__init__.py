@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from hal import env, fp8
-from hal.api import cache_kv, explain, paged_attention
+from hal.api import cache_kv, cache_mla, explain, mla_decode, paged_attention
 from hal.diagnostics import EnvironmentWarning, FallbackWarning, HalWarning, MissingScaleWarning, PackLoadWarning
 from hal.dispatch import Decision, NotSupportedError
 from hal.observer import KVScaleObserver
@@ -31,8 +31,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentError", "Availability", "CallKey", "Decision", "EnvironmentWarning", "FallbackWarning",
     "HalWarning", "KVScaleError", "KVScaleObserver", "KVScales", "MissingScaleWarning", "NotSupportedError",
-    "OpSupport", "Pack", "PackLoadWarning", "Target", "cache_kv", "env", "explain", "fp8",
-    "load_kv_scales", "packs", "paged_attention", "target",
+    "OpSupport", "Pack", "PackLoadWarning", "Target", "cache_kv", "cache_mla", "env", "explain", "fp8",
+    "load_kv_scales", "mla_decode", "packs", "paged_attention", "target",
 ]
 
 

@@ -66,6 +66,36 @@ def cache_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
               slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale, pack=pack)
 
 
+def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, ckv_scale=None, kpe_scale=None,
+               query_start_loc: torch.Tensor | None = None, max_query_len: int | None = None,
+               max_seq_len: int | None = None, out: torch.Tensor | None = None,
+               pack: str | None = None) -> torch.Tensor:
+    """Multi-head latent attention (DeepSeek's absorbed form) over a paged latent cache.
+
+    ``q_nope`` [total_q, num_heads, R] (the query times W_UK), ``q_pe`` [total_q, num_heads, P];
+    ``ckv_cache`` [num_blocks, block_size, R] (any encoding), ``kpe_cache`` [num_blocks, block_size, P]
+    (16-bit recommended, FP8 allowed); either may be a view into one [num_blocks, block_size, R + P]
+    allocation. ``s_j = (q_nope . c_j * ckv_scale + q_pe . kpe_j * kpe_scale) * scale``; returns
+    ``ckv_scale * softmax(s) @ c`` [total_q, num_heads, R]. ``scale`` is required (the model's softmax
+    scale). Several rows per sequence (speculative decoding) through ``query_start_loc`` as in
+    :func:`paged_attention`, causal. Scales: float, 0-d or [1] float32 tensor; None is 1.0.
+    """
+    return _ops.call("mla_decode", q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
+                     block_tables=block_tables, seq_lens=seq_lens, scale=scale, ckv_scale=ckv_scale,
+                     kpe_scale=kpe_scale, query_start_loc=query_start_loc, max_query_len=max_query_len,
+                     max_seq_len=max_seq_len, out=out, pack=pack)
+
+
+def cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,
+              slot_mapping: torch.Tensor, *, ckv_scale=None, kpe_scale=None, pack: str | None = None) -> None:
+    """Write new tokens' latents ``kv_c`` [num_tokens, R] and rotary parts ``k_pe`` [num_tokens, P]
+    into the MLA caches at ``slot_mapping`` (int64; negative skips), stored as
+    ``encode(saturate(x / scale))``, each part with its own scale."""
+    _ops.call("cache_mla", kv_c=kv_c, k_pe=k_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
+              slot_mapping=slot_mapping, ckv_scale=ckv_scale, kpe_scale=kpe_scale, pack=pack)
+
+
 def explain(*args, op: str = "paged_attention", **kwargs) -> dispatch.Decision:
     """The dispatch decision op ``op`` (default ``paged_attention``) would take for these arguments
     (the public function's, positional or keyword), with every pack's verdict and reasons
@@ -79,8 +109,9 @@ def explain(*args, op: str = "paged_attention", **kwargs) -> dispatch.Decision:
     if decl is None:
         raise ValueError(f"hal.explain: op must be one of {', '.join(_ops.OPS)}; got {op!r}")
     bound = dict(inspect.signature(decl.schema_args).bind(*args, **kwargs).arguments)  # the public keywords
-    for name in ("k_scale", "v_scale"):
-        bound[name] = 1.0 if bound.get(name) is None else bound[name]
+    for name in ("k_scale", "v_scale", "ckv_scale", "kpe_scale"):
+        if name in inspect.signature(decl.schema_args).parameters:
+            bound[name] = 1.0 if bound.get(name) is None else bound[name]
     forced = bound.pop("pack", None)
     call = _ops.prepare(op, **bound)
     return dispatch.decide(call.call_key, call.target, forced if forced is not None else env.forced_pack())

@@ -74,3 +74,45 @@ class CacheWriteCall:
     slot_mapping: torch.Tensor
     k_scale: Scale
     v_scale: Scale
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MLACall:
+    """``hal.mla_decode`` after validation. ``geometry``: num_kv_heads 1 (one latent shared by every
+    head), head_size R (the latent's width); ``rope_dim`` is P. ``max_seq_len`` and
+    ``max_query_len`` are host ints as in :class:`AttentionCall`."""
+
+    call_key: CallKey
+    target: Target
+    geometry: Geometry
+    rope_dim: int
+    out: torch.Tensor
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    ckv_cache: torch.Tensor
+    kpe_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    ckv_scale: Scale
+    kpe_scale: Scale
+    max_seq_len: int
+    query_start_loc: torch.Tensor | None = None
+    max_query_len: int = 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MLAWriteCall:
+    """``hal.cache_mla`` after validation (``kv_c``/``k_pe`` with a unit last stride)."""
+
+    call_key: CallKey
+    target: Target
+    geometry: Geometry
+    rope_dim: int
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    ckv_cache: torch.Tensor
+    kpe_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    ckv_scale: Scale
+    kpe_scale: Scale

@@ -50,7 +50,7 @@ class CallKey:
 
     def describe(self) -> str:
         feats = ", ".join(sorted(self.features)) or "none"
-        role = "query" if self.op == "paged_attention" else "key/value"
+        role = "query" if self.op in ("paged_attention", "mla_decode") else "key/value"
         return (f"{role} {_dtype_name(self.query_dtype)} on {self.device_type}, cache "
                 f"{_dtype_name(self.cache_dtype)}, head_size {self.head_size}, block_size "
                 f"{self.block_size}, GQA ratio {self.gqa_ratio}, features: {feats}")
@@ -76,7 +76,7 @@ class OpSupport:
         if key.device_type not in self.devices:
             out.append(f"tensors are on {key.device_type}; this pack runs on {_join(self.devices)}")
         if key.query_dtype not in self.query_dtypes:
-            out.append(f"{'query' if key.op == 'paged_attention' else 'key/value'} dtype "
+            out.append(f"{'query' if key.op in ('paged_attention', 'mla_decode') else 'key/value'} dtype "
                        f"{_dtype_name(key.query_dtype)} is not supported (supported: "
                        f"{_join(_dtype_name(d) for d in self.query_dtypes)})")
         if key.cache_dtype not in self.cache_dtypes:

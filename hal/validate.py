@@ -133,14 +133,17 @@ def on_host_or_debug(t: torch.Tensor) -> bool:
 _warned_unscaled: set[str] = set()
 
 
-def scale(op: str, name: str, value, cache: torch.Tensor):
+def scale(op: str, name: str, value, cache: torch.Tensor, num_kv_heads: int | None = None):
     """Normalise a k/v scale to a float or a float32 tensor (0-d or [num_kv_heads]) on the cache's
     device (the cache is validated first). ``None`` is 1.0; with an FP8 cache that warns once per op
-    (:class:`hal.MissingScaleWarning`), and is an error under HAL_STRICT on every call."""
-    num_kv_heads = cache.shape[1]
+    (:class:`hal.MissingScaleWarning`), and is an error under HAL_STRICT on every call.
+    ``num_kv_heads``: the heads a per-head scale has (default: the cache's dim 1; 1 for MLA caches,
+    whose latent is shared by every head)."""
+    if num_kv_heads is None:
+        num_kv_heads = cache.shape[1]
     if value is None:
         if cache.dtype in FP8_DTYPES:
-            msg = (f"hal.{op}: no k_scale/v_scale given for a {dtypes.name(cache.dtype)} cache; "
+            msg = (f"hal.{op}: no {name} given for a {dtypes.name(cache.dtype)} cache; "
                    f"using 1.0 (pass calibrated scales, see hal.load_kv_scales)")
             if env.strict():  # before the warn-once check: strict mode raises on every such call
                 raise ArgumentError(msg + " (HAL_STRICT=1 makes this an error)")

@@ -15,10 +15,13 @@ import torch
 
 from hal import dispatch, validate
 from hal.ops import cache_kv as _cache_kv
+from hal.ops import cache_mla as _cache_mla
+from hal.ops import mla_decode as _mla_decode
 from hal.ops import paged_attention as _paged_attention
 from hal.ops.decl import OpDecl
 
-OPS: dict[str, OpDecl] = {d.name: d for d in (_paged_attention.DECL, _cache_kv.DECL)}
+OPS: dict[str, OpDecl] = {d.name: d for d in (_paged_attention.DECL, _cache_kv.DECL, _mla_decode.DECL,
+                                                _cache_mla.DECL)}
 
 LIB = torch.library.Library("hal", "DEF")  # noqa: TOR901 - the library lives as long as the process
 

@@ -9,6 +9,8 @@ the path follows the tensors' device; tests and benchmarks call each path's modu
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import importlib.util
 
@@ -49,9 +51,13 @@ class EmuPack(Pack):
     NAME = "emu"
     DESCRIPTION = "software FP8 (every encoding): PyTorch on any device, Triton on GPUs"
     VENDORS = frozenset({"cpu", "cuda", "rocm"})
-    SUPPORTS = {"paged_attention": SUPPORT, "cache_kv": _support("cache_kv")}
+    SUPPORTS = {"paged_attention": SUPPORT, "cache_kv": _support("cache_kv"),
+                # MLA: R (head_size here) any multiple of 16 up to 1024, any number of heads (one latent)
+                "mla_decode": dataclasses.replace(_support("mla_decode"), head_sizes=tuple(range(16, 1025, 16))),
+                "cache_mla": dataclasses.replace(_support("cache_mla"), head_sizes=tuple(range(16, 1025, 16)))}
     # the path follows the call's device: routing.py sends GPU tensors to Triton where it runs
-    IMPLEMENTATIONS = {"paged_attention": "routing:paged_attention", "cache_kv": "routing:cache_kv"}
+    IMPLEMENTATIONS = {"paged_attention": "routing:paged_attention", "cache_kv": "routing:cache_kv",
+                       "mla_decode": "routing:mla_decode", "cache_mla": "routing:cache_mla"}
 
     def _probe(self) -> Availability:
         why = triton_usable()

@@ -38,3 +38,17 @@ def paged_attention(call) -> None:
 
 def cache_kv(call) -> None:
     _module(call.key.device, call.key_cache, call.value_cache).cache_kv(call)
+
+
+def mla_decode(call) -> None:
+    """The PyTorch MLA path on every device for now (a Triton one is issue 15's next step)."""
+    from . import torch_mla
+    torch_mla.mla_decode(call.out, call.q_nope, call.q_pe, call.ckv_cache, call.kpe_cache, call.block_tables,
+                         call.seq_lens, call.scale, call.ckv_scale, call.kpe_scale, call.max_seq_len,
+                         call.query_start_loc)
+
+
+def cache_mla(call) -> None:
+    from . import torch_mla
+    torch_mla.cache_mla(call.kv_c, call.k_pe, call.ckv_cache, call.kpe_cache, call.slot_mapping, call.ckv_scale,
+                        call.kpe_scale)

@@ -1,0 +1,99 @@
+"""The declaration of ``hal::cache_mla``: writing MLA latents and rotary parts into their paged caches
+(stored = x / scale rounded to the cache's encoding, saturating), validated into an :class:`MLAWriteCall`."""
+
+from __future__ import annotations
+
+import torch
+
+from hal import dtypes, fp8
+from hal import validate as v
+from hal.call import Geometry, MLAWriteCall
+from hal.ops.decl import OpDecl
+from hal.ops.mla_decode import _cache
+from hal.pack import CallKey
+from hal.targets import target
+
+NAME = "cache_mla"
+SCHEMA = ("(Tensor kv_c, Tensor k_pe, Tensor(a!) ckv_cache, Tensor(b!) kpe_cache, Tensor slot_mapping, "
+          "float? ckv_scale, float? kpe_scale, Tensor? ckv_scale_tensor, Tensor? kpe_scale_tensor, str? pack) -> ()")
+FEATURES = {
+    "strided_cache": "caches whose tokens are not dense (views into one [num_blocks, block_size, R + P] allocation)",
+    "fp8_rope": "an FP8 rotary cache (kpe_cache)",
+}
+
+
+def schema_args(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, *, ckv_scale=None, kpe_scale=None, pack=None) -> tuple:
+    cs, cst = v.split_scale(NAME, "ckv_scale", ckv_scale)
+    ps, pst = v.split_scale(NAME, "kpe_scale", kpe_scale)
+    return (kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, cs, ps, cst, pst, pack)
+
+
+def tensors(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale, ckv_scale_tensor,
+            kpe_scale_tensor, pack) -> dict:
+    return dict(kv_c=kv_c, k_pe=k_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache, slot_mapping=slot_mapping,
+                ckv_scale=ckv_scale_tensor, kpe_scale=kpe_scale_tensor)
+
+
+def check(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale, ckv_scale_tensor, kpe_scale_tensor,
+          pack) -> MLAWriteCall:
+    op = NAME
+    _cache(op, "ckv_cache", ckv_cache, "R")
+    _cache(op, "kpe_cache", kpe_cache, "P")
+    nb, bs, r = ckv_cache.shape
+    p = kpe_cache.shape[2]
+    dev = ckv_cache.device
+    if kpe_cache.shape[:2] != (nb, bs):
+        v.fail(op, "kpe_cache", f"[num_blocks={nb}, block_size={bs}, P] like ckv_cache", v.desc(kpe_cache))
+    v.same_device(op, "kpe_cache", kpe_cache, dev)
+    cs = v.scale(op, "ckv_scale", v.pick(op, "ckv_scale", ckv_scale, ckv_scale_tensor), ckv_cache, num_kv_heads=1)
+    ps = v.scale(op, "kpe_scale", v.pick(op, "kpe_scale", kpe_scale, kpe_scale_tensor), kpe_cache, num_kv_heads=1)
+    for name, t, w in (("kv_c", kv_c, r), ("k_pe", k_pe, p)):
+        v.tensor(op, name, t)
+        if t.dtype not in v.QUERY_DTYPES:
+            v.fail(op, name, "float16, bfloat16 or float32", v.desc(t))
+        if t.dim() != 2 or t.shape[1] != w:
+            v.fail(op, name, f"2-d [num_tokens, {w}] (the cache's last dim)", v.desc(t))
+        v.same_device(op, name, t, dev)
+    if k_pe.shape[0] != kv_c.shape[0] or k_pe.dtype != kv_c.dtype:
+        v.fail(op, "k_pe", f"a {dtypes.name(kv_c.dtype)} tensor of {kv_c.shape[0]} tokens like kv_c", v.desc(k_pe))
+    v.tensor(op, "slot_mapping", slot_mapping)
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (kv_c.shape[0],):
+        v.fail(op, "slot_mapping", f"an int64 [num_tokens={kv_c.shape[0]}] tensor", v.desc(slot_mapping))
+    v.same_device(op, "slot_mapping", slot_mapping, dev)
+    if v.on_host_or_debug(slot_mapping) and slot_mapping.numel():
+        hi = int(slot_mapping.max())
+        if hi >= nb * bs:
+            v.fail(op, "slot_mapping", f"< num_blocks*block_size = {nb * bs} (negative slots skip a token)",
+                   f"a slot of {hi}")
+    feats = set()
+    if not (ckv_cache.is_contiguous() and kpe_cache.is_contiguous()):
+        feats.add("strided_cache")
+    if fp8.is_fp8(kpe_cache.dtype):
+        feats.add("fp8_rope")
+    key = CallKey(op, dev.type, kv_c.dtype, ckv_cache.dtype, r, bs, 1, frozenset(feats))
+    return MLAWriteCall(call_key=key, target=target(), geometry=Geometry(0, 0, 1, r, bs, nb, kv_c.shape[0]),
+                        rope_dim=p, kv_c=v.unit_last(kv_c), k_pe=v.unit_last(k_pe), ckv_cache=ckv_cache,
+                        kpe_cache=kpe_cache, slot_mapping=slot_mapping, ckv_scale=cs, kpe_scale=ps)
+
+
+def fake(*args) -> None:
+    t = tensors(*args)
+    v.devices(NAME, t)
+    v.no_autograd(NAME, t)
+    v.pick(NAME, "ckv_scale", args[5], args[7])
+    v.pick(NAME, "kpe_scale", args[6], args[8])
+
+
+def example(device: str, cache_dtype: torch.dtype) -> dict:
+    """A typical write: 5 tokens (one skipped) into views of one combined [4, 8, 512 + 64] cache."""
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(4, 8, 576, dtype=cache_dtype, device=device)
+    is8 = cache_dtype in v.FP8_DTYPES
+    return dict(kv_c=torch.randn(5, 512, generator=g).to(device), k_pe=torch.randn(5, 64, generator=g).to(device),
+                ckv_cache=kv[..., :512], kpe_cache=kv[..., 512:],
+                slot_mapping=torch.tensor([3, 9, -1, 20, 31], device=device),
+                ckv_scale=0.01 if is8 else None, kpe_scale=0.02 if is8 else None)
+
+
+DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
+              fake=fake, result=lambda args: None, example=example)
