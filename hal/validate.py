@@ -218,3 +218,72 @@ def unit_last(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dimension has a unit stride (or at most one element), else a copy
     that has one: packs index the last dimension densely, callers may pass any view."""
     return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def context_bounds(op: str, seq_lens, block_tables, num_blocks: int, block_size: int, max_seq_len) -> int:
+    """The host bound on ``seq_lens`` every pack plans with: checked against the block table (its
+    capacity, every entry a sequence uses within [0, num_blocks)) where the values may be read (CPU
+    tensors, HAL_DEBUG), else read once from the device (never while a graph is being captured;
+    the caller refuses that first). ``seq_lens``/``block_tables`` are already shape-checked."""
+    n = seq_lens.shape[0]
+    capacity = block_tables.shape[1] * block_size
+    hi = None
+    if on_host_or_debug(seq_lens) and n > 0:
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > capacity:
+            fail(op, "seq_lens", f"within [0, {capacity}] (block_tables has {block_tables.shape[1]} blocks "
+                 f"of {block_size} tokens per sequence)", f"values from {lo} to {hi}")
+        if max_seq_len is not None and hi > max_seq_len:
+            fail(op, "max_seq_len", f">= every seq_len (max is {hi})", str(max_seq_len))
+        used = (seq_lens.to(torch.int64) + block_size - 1) // block_size
+        cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+        refs = block_tables[cols[None, :] < used[:, None]]
+        if refs.numel() and (int(refs.min()) < 0 or int(refs.max()) >= num_blocks):
+            fail(op, "block_tables", f"entries in [0, {num_blocks}) for every block a sequence uses",
+                 f"entries from {int(refs.min())} to {int(refs.max())}")
+    if max_seq_len is not None:
+        return max_seq_len
+    return 0 if n == 0 else (hi if hi is not None else int(seq_lens.max()))
+
+
+def slot_mapping(op: str, slots, num_tokens: int, num_slots: int, device) -> None:
+    """An int64 [num_tokens] slot per token, every slot < num_slots (negative: skipped), checked
+    where the values may be read (CPU tensors, HAL_DEBUG)."""
+    tensor(op, "slot_mapping", slots)
+    if slots.dtype != torch.int64 or slots.shape != (num_tokens,):
+        fail(op, "slot_mapping", f"an int64 [num_tokens={num_tokens}] tensor", desc(slots))
+    same_device(op, "slot_mapping", slots, device)
+    if on_host_or_debug(slots) and slots.numel():
+        hi = int(slots.max())
+        if hi >= num_slots:
+            fail(op, "slot_mapping", f"< num_blocks*block_size = {num_slots} (negative slots skip a token)",
+                 f"a slot of {hi}")
+
+
+def query_rows(op: str, qsl, total_q: int, seq_lens, max_query_len, rows_of: str, writer: str) -> int:
+    """``query_start_loc`` row offsets: 0 first, non-decreasing, ``total_q`` (the row count of
+    ``rows_of``) last, at most seq_lens[i] rows for sequence i (the new tokens are written by
+    ``writer`` first). Read on the host only for CPU tensors or under HAL_DEBUG; else one device
+    read when ``max_query_len`` is not given. Returns max_query_len."""
+    if not on_host_or_debug(qsl):
+        if max_query_len is not None:
+            return max_query_len
+        offs = qsl.to(torch.int64)
+        return int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 0
+    offs = qsl.to(torch.int64).cpu()
+    q_lens = offs[1:] - offs[:-1]
+    if int(offs[0]) != 0 or bool((q_lens < 0).any()):
+        fail(op, "query_start_loc", "non-decreasing row offsets starting at 0", f"{offs.tolist()[:12]}")
+    if int(offs[-1]) != total_q:
+        fail(op, "query_start_loc", f"a last entry equal to {rows_of}'s row count {total_q}", str(int(offs[-1])))
+    if on_host_or_debug(seq_lens) and q_lens.numel():
+        over = (q_lens > seq_lens.to(torch.int64).cpu()).nonzero()
+        if over.numel():
+            i = int(over[0])
+            fail(op, "query_start_loc", "at most seq_lens[i] rows for sequence i (the new tokens are part of "
+                 f"the context, already written by {writer})",
+                 f"{int(q_lens[i])} rows for sequence {i} of length {int(seq_lens[i])}")
+    longest = int(q_lens.max()) if q_lens.numel() else 0
+    if max_query_len is not None and longest > max_query_len:
+        fail(op, "max_query_len", f">= every sequence's row count (max is {longest})", str(max_query_len))
+    return longest if max_query_len is None else max_query_len

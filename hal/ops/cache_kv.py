@@ -50,15 +50,7 @@ def check(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, k_
         v.same_device(op, name, t, dev)
     if value.shape != key.shape or value.dtype != key.dtype:
         v.fail(op, "value", f"the same shape and dtype as key ({v.desc(key)})", v.desc(value))
-    v.tensor(op, "slot_mapping", slot_mapping)
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],):
-        v.fail(op, "slot_mapping", f"an int64 [num_tokens={key.shape[0]}] tensor", v.desc(slot_mapping))
-    v.same_device(op, "slot_mapping", slot_mapping, dev)
-    if v.on_host_or_debug(slot_mapping) and slot_mapping.numel():
-        hi = int(slot_mapping.max())
-        if hi >= nb * bs:
-            v.fail(op, "slot_mapping", f"< num_blocks*block_size = {nb * bs} (negative slots skip a token)",
-                   f"a slot of {hi}")
+    v.slot_mapping(op, slot_mapping, key.shape[0], nb * bs, dev)
     call_key = CallKey(op, dev.type, key.dtype, key_cache.dtype, d, bs, 1,
                        v.features(None, None, None, ks, vs, (key_cache, value_cache)))
     return CacheWriteCall(call_key=call_key, target=target(), geometry=Geometry(0, 0, hkv, d, bs, nb, key.shape[0]),

@@ -56,15 +56,7 @@ def check(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale, 
         v.same_device(op, name, t, dev)
     if k_pe.shape[0] != kv_c.shape[0] or k_pe.dtype != kv_c.dtype:
         v.fail(op, "k_pe", f"a {dtypes.name(kv_c.dtype)} tensor of {kv_c.shape[0]} tokens like kv_c", v.desc(k_pe))
-    v.tensor(op, "slot_mapping", slot_mapping)
-    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (kv_c.shape[0],):
-        v.fail(op, "slot_mapping", f"an int64 [num_tokens={kv_c.shape[0]}] tensor", v.desc(slot_mapping))
-    v.same_device(op, "slot_mapping", slot_mapping, dev)
-    if v.on_host_or_debug(slot_mapping) and slot_mapping.numel():
-        hi = int(slot_mapping.max())
-        if hi >= nb * bs:
-            v.fail(op, "slot_mapping", f"< num_blocks*block_size = {nb * bs} (negative slots skip a token)",
-                   f"a slot of {hi}")
+    v.slot_mapping(op, slot_mapping, kv_c.shape[0], nb * bs, dev)
     feats = set()
     if not (ckv_cache.is_contiguous() and kpe_cache.is_contiguous()):
         feats.add("strided_cache")

@@ -125,24 +125,9 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
     if out.shape != q_nope.shape or out.dtype != q_nope.dtype or out.device != q_nope.device:
         v.fail(op, "out", f"like q_nope ({v.desc(q_nope)})", v.desc(out))
 
-    hi = None
-    if v.on_host_or_debug(seq_lens) and n > 0:
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 0 or hi > capacity:
-            v.fail(op, "seq_lens", f"within [0, {capacity}] (block_tables has {block_tables.shape[1]} blocks "
-                   f"of {bs} tokens per sequence)", f"values from {lo} to {hi}")
-        if max_seq_len is not None and hi > max_seq_len:
-            v.fail(op, "max_seq_len", f">= every seq_len (max is {hi})", str(max_seq_len))
-        used = (seq_lens.to(torch.int64) + bs - 1) // bs
-        cols = torch.arange(block_tables.shape[1], device=dev)
-        refs = block_tables[cols[None, :] < used[:, None]]
-        if refs.numel() and (int(refs.min()) < 0 or int(refs.max()) >= nb):
-            v.fail(op, "block_tables", f"entries in [0, {nb}) for every block a sequence uses",
-                   f"entries from {int(refs.min())} to {int(refs.max())}")
-    if max_seq_len is None:
-        max_seq_len = 0 if n == 0 else (hi if hi is not None else int(seq_lens.max()))
+    max_seq_len = v.context_bounds(op, seq_lens, block_tables, nb, bs, max_seq_len)
     if varlen:
-        max_query_len = _query_rows(query_start_loc, total_q, seq_lens, max_query_len)
+        max_query_len = v.query_rows(op, query_start_loc, total_q, seq_lens, max_query_len, "q_nope", "hal.cache_mla")
     else:
         max_query_len = 1
 
@@ -157,34 +142,6 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
                    kpe_cache=kpe_cache, block_tables=block_tables, seq_lens=seq_lens, scale=scale, ckv_scale=cs,
                    kpe_scale=ps, max_seq_len=max_seq_len, query_start_loc=query_start_loc,
                    max_query_len=max_query_len)
-
-
-def _query_rows(qsl, total_q, seq_lens, max_query_len) -> int:
-    """Row offsets: 0 first, non-decreasing, total_q last, at most seq_lens[i] rows for sequence i
-    (read on the host only for CPU tensors or under HAL_DEBUG); returns max_query_len."""
-    op = NAME
-    if not v.on_host_or_debug(qsl):
-        if max_query_len is not None:
-            return max_query_len
-        offs = qsl.to(torch.int64)
-        return int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 0
-    offs = qsl.to(torch.int64).cpu()
-    q_lens = offs[1:] - offs[:-1]
-    if int(offs[0]) != 0 or bool((q_lens < 0).any()):
-        v.fail(op, "query_start_loc", "non-decreasing row offsets starting at 0", f"{offs.tolist()[:12]}")
-    if int(offs[-1]) != total_q:
-        v.fail(op, "query_start_loc", f"a last entry equal to q_nope's row count {total_q}", str(int(offs[-1])))
-    if v.on_host_or_debug(seq_lens) and q_lens.numel():
-        over = (q_lens > seq_lens.to(torch.int64).cpu()).nonzero()
-        if over.numel():
-            i = int(over[0])
-            v.fail(op, "query_start_loc", "at most seq_lens[i] rows for sequence i (the new tokens are part of "
-                   "the context, already written by hal.cache_mla)",
-                   f"{int(q_lens[i])} rows for sequence {i} of length {int(seq_lens[i])}")
-    longest = int(q_lens.max()) if q_lens.numel() else 0
-    if max_query_len is not None and longest > max_query_len:
-        v.fail(op, "max_query_len", f">= every sequence's row count (max is {longest})", str(max_query_len))
-    return longest if max_query_len is None else max_query_len
 
 
 def fake(*args) -> None:

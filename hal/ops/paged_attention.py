@@ -136,22 +136,7 @@ def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_s
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         v.fail(op, "out", f"like query ({v.desc(query)})", v.desc(out))
 
-    hi = None
-    if v.on_host_or_debug(seq_lens) and n > 0:
-        lo, hi = int(seq_lens.min()), int(seq_lens.max())
-        if lo < 0 or hi > capacity:
-            v.fail(op, "seq_lens", f"within [0, {capacity}] (block_tables has {block_tables.shape[1]} blocks "
-                   f"of {bs} tokens per sequence)", f"values from {lo} to {hi}")
-        if max_seq_len is not None and hi > max_seq_len:
-            v.fail(op, "max_seq_len", f">= every seq_len (max is {hi})", str(max_seq_len))
-        used = (seq_lens.to(torch.int64) + bs - 1) // bs
-        cols = torch.arange(block_tables.shape[1], device=dev)
-        refs = block_tables[cols[None, :] < used[:, None]]
-        if refs.numel() and (int(refs.min()) < 0 or int(refs.max()) >= nb):
-            v.fail(op, "block_tables", f"entries in [0, {nb}) for every block a sequence uses",
-                   f"entries from {int(refs.min())} to {int(refs.max())}")
-    if max_seq_len is None:  # decided once, here, for every pack (one sync on a GPU, never while capturing)
-        max_seq_len = 0 if n == 0 else (hi if hi is not None else int(seq_lens.max()))
+    max_seq_len = v.context_bounds(op, seq_lens, block_tables, nb, bs, max_seq_len)  # decided once, for every pack
 
     feats = v.features(alibi_slopes, logits_soft_cap, sliding_window, ks, vs, (key_cache, value_cache))
     key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv, feats | ({"varlen"} if varlen else set()))
@@ -180,31 +165,11 @@ def _check_query_start_loc(qsl, total_q, seq_lens, max_query_len, causal, alibi_
     if not causal and (alibi_slopes is not None or sliding_window is not None):
         v.fail(op, "causal", "True with ALiBi or a sliding window (a non-causal window or bias has no agreed "
                "meaning, so hal does not guess one)", "False")
-    if v.on_host_or_debug(qsl):
-        offs = qsl.to(torch.int64).cpu()
-        q_lens = offs[1:] - offs[:-1]
-        if int(offs[0]) != 0 or bool((q_lens < 0).any()):
-            v.fail(op, "query_start_loc", "non-decreasing row offsets starting at 0", f"{offs.tolist()[:12]}")
-        if int(offs[-1]) != total_q:
-            v.fail(op, "query_start_loc", f"a last entry equal to the query's row count {total_q}", str(int(offs[-1])))
-        if v.on_host_or_debug(seq_lens) and q_lens.numel():
-            over = (q_lens > seq_lens.to(torch.int64).cpu()).nonzero()
-            if over.numel():
-                i = int(over[0])
-                v.fail(op, "query_start_loc", "at most seq_lens[i] rows for sequence i (the new tokens are part of "
-                       "the context, already written by hal.cache_kv)",
-                       f"{int(q_lens[i])} rows for sequence {i} of length {int(seq_lens[i])}")
-        longest = int(q_lens.max()) if q_lens.numel() else 0
-        if max_query_len is not None and longest > max_query_len:
-            v.fail(op, "max_query_len", f">= every sequence's row count (max is {longest})", str(max_query_len))
-        return longest if max_query_len is None else max_query_len
-    if max_query_len is None:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            v.fail(op, "max_query_len", "given while a CUDA graph is being captured (no device read plans the "
-                   "launch)", "None")
-        offs = qsl.to(torch.int64)
-        return int((offs[1:] - offs[:-1]).max()) if offs.numel() > 1 else 0
-    return max_query_len
+    if max_query_len is None and not v.on_host_or_debug(qsl) and dev.type == "cuda" \
+            and torch.cuda.is_current_stream_capturing():
+        v.fail(op, "max_query_len", "given while a CUDA graph is being captured (no device read plans the "
+               "launch)", "None")
+    return v.query_rows(op, qsl, total_q, seq_lens, max_query_len, "the query", "hal.cache_kv")
 
 
 def fake(*args) -> None:
