@@ -11,6 +11,7 @@ import pytest
 import torch
 from rich.console import Console
 
+import hal
 from hal import registry
 from hal.cli import probe
 from hal.fp8 import FP8_DTYPES
@@ -111,3 +112,14 @@ def test_help_names_the_views(capsys):
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "--verbose" in text and "--json" in text and "--no-smoke" in text
+
+
+def test_smoke_test_runs_every_declared_op_with_an_example_and_a_reference():
+    """paged_attention is the timed headline; mla_decode (after hal.cache_mla) is checked too, and a
+    failing op fails the whole smoke test."""
+    sm = probe.collect()["smoke_test"]
+    assert sm["status"] == "PASS", sm
+    others = {o["op"]: o for o in sm["ops"]}
+    assert set(others) == {name for name, d in hal.ops.OPS.items()
+                           if name != "paged_attention" and d.example is not None and d.reference is not None}
+    assert others["mla_decode"]["status"] == "PASS" and others["mla_decode"]["rel_l2_vs_float64"] < 5e-3

@@ -3,11 +3,12 @@
 Sections: the target; the HAL_* variables; every pack with availability, reasons, build info and
 its declaration for this target (the one dispatch checks); which pack serves a typical decode shape
 for each cache encoding; a smoke test of ``hal.cache_kv`` + ``hal.paged_attention`` on the selected
-pack against a float64 reference. It reports problems and never crashes: every section catches its
+pack against a float64 reference (and of every other declared op with an example: ``hal.cache_mla``
++ ``hal.mla_decode``). It reports problems and never crashes: every section catches its
 own failure.
 
 Three views of one report: the default fits an 80-column terminal (one line per pack, per cache
-encoding and for the smoke test); ``--verbose`` adds every reason, the build details and the
+encoding, and for the smoke test with a line per further op); ``--verbose`` adds every reason, the build details and the
 declarations; ``--json`` is the whole report.
 """
 
@@ -114,9 +115,29 @@ def _smoke():
     return result
 
 
+def _smoke_op(name: str, dev: str, cache_dtype) -> dict:
+    """One declared op's example call on this machine's best pack against its float64 reference."""
+    import torch
+
+    import hal
+    from hal import ops, reference
+    decl = ops.OPS[name]
+    kwargs = decl.example(dev, cache_dtype)
+    call = ops.prepare(name, **kwargs)
+    decision = hal.explain(op=name, **{k: kw for k, kw in kwargs.items() if k != "out"})
+    out = ops.call(name, **kwargs)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    err = reference.relative_l2(out, decl.reference(call))
+    finite = bool(torch.isfinite(out.float()).all())
+    return {"op": name, "pack": decision.pack.NAME if decision.pack else None, "rel_l2_vs_float64": err,
+            "all_outputs_written": finite, "status": "PASS" if finite and err <= SMOKE_TOLERANCE else "FAIL"}
+
+
 def _smoke_run():
     """Every declared op with an example and a reference: the example call on this machine's best
-    pack, its output against the float64 reference (the first op reported is paged_attention)."""
+    pack, its output against the float64 reference. paged_attention (after hal.cache_kv wrote its
+    pages) is the headline, timed; the others (``ops``: mla_decode after hal.cache_mla) are checked."""
     import torch
 
     import hal
@@ -139,12 +160,15 @@ def _smoke_run():
     elapsed = time.perf_counter() - t0
     err = reference.relative_l2(out, decl.reference(call))
     finite = bool(torch.isfinite(out.float()).all())
+    others = [_smoke_op(name, dev, cache_dtype) for name, d in ops.OPS.items()
+              if name != decl.name and d.example is not None and d.reference is not None]
+    ok = finite and err <= SMOKE_TOLERANCE and all(o["status"] == "PASS" for o in others)
     return {"pack": decision.pack.NAME if decision.pack else None, "device": dev,
             "cache_dtype": str(cache_dtype).removeprefix("torch."),
             "shape": f"{s['num_seqs']} seqs x {s['context']} tokens, {s['num_heads']}/{s['num_kv_heads']} heads, "
                      f"head_size {s['head_size']}, block_size {s['block_size']}",
             "rel_l2_vs_float64": err, "tolerance": SMOKE_TOLERANCE, "all_outputs_written": finite,
-            "seconds": elapsed, "status": "PASS" if finite and err <= SMOKE_TOLERANCE else "FAIL"}
+            "seconds": elapsed, "ops": others, "status": "PASS" if ok else "FAIL"}
 
 
 def collect(smoke: bool = True) -> dict:
@@ -272,10 +296,15 @@ def _short_smoke(sm: dict | None, width: int) -> list:
         return [Text.assemble(("smoke test FAILED to run: ", "red"), _fit(sm["error"], width - 26))]
     color = "green" if sm["status"] == "PASS" else "red"
     written = "" if sm["all_outputs_written"] else "; some outputs not written"
-    return [Text.assemble("smoke test ", (sm["status"], color),
-                          f": {sm['pack']} on {sm['device']}, {sm['cache_dtype']}, error "
-                          f"{sm['rel_l2_vs_float64']:.1e} (max {sm['tolerance']:.0e}), "
-                          f"{sm['seconds'] * 1e3:.0f} ms{written}")]
+    lines = [Text.assemble("smoke test ", (sm["status"], color),
+                           f": {sm['pack']} on {sm['device']}, {sm['cache_dtype']}, error "
+                           f"{sm['rel_l2_vs_float64']:.1e} (max {sm['tolerance']:.0e}), "
+                           f"{sm['seconds'] * 1e3:.0f} ms{written}")]
+    for o in sm.get("ops", []):
+        lines.append(Text.assemble(f"  {o['op']}: ", (o["status"], "green" if o["status"] == "PASS" else "red"),
+                                   f" on {o['pack']}, error {o['rel_l2_vs_float64']:.1e}"
+                                   + ("" if o["all_outputs_written"] else "; some outputs not written")))
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,6 +405,11 @@ def _verbose_smoke(sm: dict | None) -> list[tuple[int, str, str]]:
                f"{sm['cache_dtype']} cache, {sm['shape']}): relative L2 error vs float64 "
                f"{sm['rel_l2_vs_float64']:.2e} (bound {sm['tolerance']:.0e}), {sm['seconds'] * 1e3:.2f} ms",
             "green" if sm["status"] == "PASS" else "red")]
+    for o in sm.get("ops", []):
+        out.append((2, f"{o['op']} (its declared example, after its cache write) on pack {o['pack']}: "
+                       f"{o['status']}, relative L2 error vs float64 {o['rel_l2_vs_float64']:.2e}"
+                       + ("" if o["all_outputs_written"] else ", some outputs not written"),
+                    "green" if o["status"] == "PASS" else "red"))
     if sm.get("warnings"):
         out.append((2, f"{len(sm['warnings'])} fallback warning(s) raised, as the dispatch table above says "
                        f"(their text is in --json)", "yellow"))
