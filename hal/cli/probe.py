@@ -421,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="hal-probe",
         description="Report the target, every kernel pack with its availability, which pack serves a "
                     "typical decode call for each cache encoding, and a smoke test of hal.cache_kv + "
-                    "hal.paged_attention on the selected pack against a float64 reference. The default "
+                    "hal.paged_attention on the selected pack against a float64 reference (hal.cache_mla + "
+                    "hal.mla_decode checked the same way). The default "
                     "view is one line each and fits 80 columns; --verbose adds every reason, the build "
                     "details and each pack's declaration for this target; --json prints all of it. "
                     "Always exits 0: problems are reported, not raised. Honours HAL_TARGET, HAL_PACK, "
