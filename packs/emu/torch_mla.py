@@ -20,9 +20,7 @@ import math
 
 import torch
 
-from hal import fp8
-
-from . import pages
+from . import pages, torch_path
 
 # Elements of float32 latent one chunk may hold (as torch_path: in a core's L2 on a CPU).
 _CHUNK_ELEMENTS = {"cpu": 1 << 20}
@@ -102,16 +100,11 @@ def cache_mla(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_sca
     ``slot_mapping[t]`` (block * block_size + offset; negative: skipped), stored as ``x / scale``
     rounded to the cache's encoding (saturating, ties to even: hal.fp8.encode_bytes)."""
     nb, bs, _ = ckv_cache.shape
-    keep = (slot_mapping >= 0) & (slot_mapping < nb * bs)
-    slots = slot_mapping[keep]
-    if slots.numel() == 0:
+    live = torch_path.live_slots(slot_mapping, nb * bs, bs)
+    if live is None:
         return
-    blk, off = slots // bs, slots % bs
+    keep, blk, off = live
     for x, cache, s in ((kv_c, ckv_cache, ckv_scale), (k_pe, kpe_cache, kpe_scale)):
         rows = x[keep].to(torch.float32)
-        # a tensor divisor: true division, as hal.fp8 defines x / scale (see torch_path._cache_kv)
         s = torch.as_tensor(1.0 if s is None else s, dtype=torch.float32, device=rows.device).reshape(())
-        if fp8.is_fp8(cache.dtype):
-            cache.view(torch.uint8)[blk, off] = fp8.encode_bytes(rows / s, cache.dtype)
-        else:
-            cache[blk, off] = (rows / s).to(cache.dtype)
+        torch_path.store_rows(cache, (blk, off), rows, s)

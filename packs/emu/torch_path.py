@@ -88,24 +88,38 @@ def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     out.copy_(result.reshape(n, h, d))
 
 
-def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
-    nb, hkv, bs, d = key_cache.shape
-    # Out-of-range slots were rejected by validation where it could look (CPU, HAL_DEBUG); on a GPU
-    # without HAL_DEBUG they are skipped here, never written out of bounds.
-    keep = (slot_mapping >= 0) & (slot_mapping < nb * bs)
+def live_slots(slot_mapping: torch.Tensor, num_slots: int, block_size: int):
+    """(keep, block, offset) of the tokens whose slot is in [0, num_slots), or None if there are none.
+    Out-of-range slots were rejected by validation where it could look (CPU, HAL_DEBUG); on a GPU
+    without HAL_DEBUG they are skipped here, never written out of bounds."""
+    keep = (slot_mapping >= 0) & (slot_mapping < num_slots)
     slots = slot_mapping[keep]
     if slots.numel() == 0:
+        return None
+    return keep, slots // block_size, slots % block_size
+
+
+def store_rows(cache: torch.Tensor, index: tuple, rows: torch.Tensor, scale: torch.Tensor) -> None:
+    """``cache[index] = rows / scale`` in the cache's encoding (hal.fp8.encode_bytes for FP8).
+    ``scale`` is a float32 tensor on the rows' device: with a Python float, CUDA torch multiplies by
+    the reciprocal, which differs from true division at rounding ties (hal.fp8 defines x / scale)."""
+    q = rows / scale
+    if fp8.is_fp8(cache.dtype):
+        cache.view(torch.uint8)[index] = fp8.encode_bytes(q, cache.dtype)
+    else:
+        cache[index] = q.to(cache.dtype)
+
+
+def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    nb, hkv, bs, d = key_cache.shape
+    live = live_slots(slot_mapping, nb * bs, bs)
+    if live is None:
         return
-    blk, off = slots // bs, slots % bs
+    keep, blk, off = live
     for x, cache, s in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         rows = x[keep].to(torch.float32)
-        # A tensor divisor on the rows' device: with a Python float, CUDA torch multiplies by the
-        # reciprocal, which differs from true division at rounding ties (hal.fp8 defines x / scale).
         s = torch.as_tensor(s, dtype=torch.float32, device=rows.device).reshape(-1).expand(hkv).reshape(1, hkv, 1)
-        if fp8.is_fp8(cache.dtype):
-            cache.view(torch.uint8)[blk, :, off] = fp8.encode_bytes(rows / s, cache.dtype)
-        else:
-            cache[blk, :, off] = (rows / s).to(cache.dtype)
+        store_rows(cache, (blk, slice(None), off), rows, s)
 
 
 def paged_attention(call) -> None:
