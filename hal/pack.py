@@ -47,12 +47,17 @@ class CallKey:
     block_size: int
     gqa_ratio: int = 1
     features: frozenset[str] = frozenset()
+    # MLA only: the rotary part's width P and its cache's dtype (head_size is the latent's width R)
+    rope_dim: int = 0
+    rope_dtype: torch.dtype | None = None
 
     def describe(self) -> str:
         feats = ", ".join(sorted(self.features)) or "none"
         role = "query" if self.op in ("paged_attention", "mla_decode") else "key/value"
+        rope = (f", rope_dim {self.rope_dim} ({_dtype_name(self.rope_dtype)} cache)"
+                if self.rope_dim and self.rope_dtype is not None else "")
         return (f"{role} {_dtype_name(self.query_dtype)} on {self.device_type}, cache "
-                f"{_dtype_name(self.cache_dtype)}, head_size {self.head_size}, block_size "
+                f"{_dtype_name(self.cache_dtype)}, head_size {self.head_size}{rope}, block_size "
                 f"{self.block_size}, GQA ratio {self.gqa_ratio}, features: {feats}")
 
 
@@ -69,6 +74,7 @@ class OpSupport:
     max_gqa_ratio: int | None = None  # None: any ratio
     # cache dtypes the pack knows but sends elsewhere, with the reason (e.g. fnuz on NVIDIA)
     cache_dtype_notes: Mapping[torch.dtype, str] = dataclasses.field(default_factory=dict)
+    rope_dims: tuple[int, ...] | None = None  # MLA: the rotary widths P served (None: any)
 
     def reasons(self, key: CallKey) -> list[str]:
         """Every reason this declaration rejects ``key``, as sentences; empty if it admits it."""
@@ -87,6 +93,8 @@ class OpSupport:
             out.append(f"head_size {key.head_size} is not supported (supported: {_ranges(self.head_sizes)})")
         if key.block_size not in self.block_sizes:
             out.append(f"block_size {key.block_size} is not supported (supported: {_ranges(self.block_sizes)})")
+        if self.rope_dims is not None and key.rope_dim and key.rope_dim not in self.rope_dims:
+            out.append(f"rope_dim {key.rope_dim} is not supported (supported: {_ranges(self.rope_dims)})")
         if self.max_gqa_ratio is not None and key.gqa_ratio > self.max_gqa_ratio:
             out.append(f"GQA ratio {key.gqa_ratio} exceeds the maximum {self.max_gqa_ratio}")
         for f in sorted(key.features - self.features):
@@ -103,6 +111,7 @@ class OpSupport:
             "devices": sorted(self.devices),
             "features": sorted(self.features),
             "max_gqa_ratio": self.max_gqa_ratio,
+            **({"rope_dims": _ranges(self.rope_dims)} if self.rope_dims is not None else {}),
         }
 
 

@@ -95,14 +95,35 @@ def test_missing_fp8_scale_warns(case):
 
 
 def test_packs_without_mla_are_passed_over_with_the_reason(case, monkeypatch):
-    """On an NVIDIA or AMD target the native pack declares no MLA yet: emu serves it, and the
-    native pack's reason says why."""
-    for target, pack in (("sm_90", "cuda"), ("gfx942", "rocm")):
-        monkeypatch.setenv("HAL_TARGET", target)
-        d = hal.explain(op="mla_decode", **_kw(case))
-        assert d.pack.NAME == "emu"
-        reasons = hal.registry.by_name(pack).reasons(d.key, d.target)
-        assert reasons == [f"op mla_decode is not implemented by the {pack} pack"]
+    """On an AMD target the native pack declares no MLA yet: emu serves it, and rocm's reason says why."""
+    monkeypatch.setenv("HAL_TARGET", "gfx942")
+    d = hal.explain(op="mla_decode", **_kw(case))
+    assert d.pack.NAME == "emu"
+    assert hal.registry.by_name("rocm").reasons(d.key, d.target) == ["op mla_decode is not implemented by the rocm pack"]
+
+
+def test_cuda_mla_declaration_names_what_it_does_not_serve(monkeypatch):
+    """The cuda pack serves R = 512 / P = 64 with a 16-bit rotary part in the query's dtype; every
+    other call gets a reason that names the fact."""
+    monkeypatch.setenv("HAL_TARGET", "sm_90")
+    from hal.pack import CallKey
+    from hal.targets import target
+    cuda = hal.registry.by_name("cuda")
+    bf, e4 = torch.bfloat16, torch.float8_e4m3fn
+
+    def reasons(**kw):
+        base = dict(op="mla_decode", device_type="cuda", query_dtype=bf, cache_dtype=e4, head_size=512, block_size=64,
+                    gqa_ratio=128, features=frozenset(), rope_dim=64, rope_dtype=bf)
+        return cuda.reasons(CallKey(**{**base, **kw}), target())
+
+    assert reasons() == [] and reasons(block_size=1, features=frozenset({"varlen", "strided_cache"})) == []
+    assert reasons(head_size=256) == ["head_size 256 is not supported (supported: 512)"]
+    assert reasons(rope_dim=128) == ["rope_dim 128 is not supported (supported: 64)"]
+    assert reasons(rope_dtype=torch.float16) == ["the rotary cache (kpe_cache) must have the query's dtype bfloat16 "
+                                                 "(got float16)"]
+    assert any("fp8_rope" in r for r in reasons(rope_dtype=e4, features=frozenset({"fp8_rope"})))
+    assert reasons(cache_dtype=torch.float16) == ["a float16 cache needs a query of the same dtype (got bfloat16)"]
+    assert any("e4m3fnuz" in r for r in reasons(cache_dtype=torch.float8_e4m3fnuz))
 
 
 def test_opcheck_and_compile(case):

@@ -62,7 +62,7 @@ def check(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale, 
         feats.add("strided_cache")
     if fp8.is_fp8(kpe_cache.dtype):
         feats.add("fp8_rope")
-    key = CallKey(op, dev.type, kv_c.dtype, ckv_cache.dtype, r, bs, 1, frozenset(feats))
+    key = CallKey(op, dev.type, kv_c.dtype, ckv_cache.dtype, r, bs, 1, frozenset(feats), p, kpe_cache.dtype)
     return MLAWriteCall(call_key=key, target=target(), geometry=Geometry(0, 0, 1, r, bs, nb, kv_c.shape[0]),
                         rope_dim=p, kv_c=v.unit_last(kv_c), k_pe=v.unit_last(k_pe), ckv_cache=ckv_cache,
                         kpe_cache=kpe_cache, slot_mapping=slot_mapping, ckv_scale=cs, kpe_scale=ps)

@@ -136,7 +136,7 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
         feats.add("strided_cache")
     if fp8.is_fp8(kpe_cache.dtype):
         feats.add("fp8_rope")
-    key = CallKey(op, dev.type, q_nope.dtype, ckv_cache.dtype, r, bs, h, frozenset(feats))
+    key = CallKey(op, dev.type, q_nope.dtype, ckv_cache.dtype, r, bs, h, frozenset(feats), p, kpe_cache.dtype)
     return MLACall(call_key=key, target=target(), geometry=Geometry(n, h, 1, r, bs, nb, total_q), rope_dim=p,
                    out=v.unit_last(out), q_nope=v.unit_last(q_nope), q_pe=v.unit_last(q_pe), ckv_cache=ckv_cache,
                    kpe_cache=kpe_cache, block_tables=block_tables, seq_lens=seq_lens, scale=scale, ckv_scale=cs,

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from . import _C
-from .tuning import shape_class, split, tuning_for, warp_rows
+from .tuning import mla_split, shape_class, split, tuning_for, warp_rows
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -113,3 +113,76 @@ def paged_attention(call) -> None:
 def cache_kv(call) -> None:
     """Run a validated :class:`hal.call.CacheWriteCall`."""
     _cache_kv(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)
+
+
+def _rows16(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` (unit last stride) with 16-byte aligned rows for the MLA kernel's vector loads; a copy
+    only for an unusual view."""
+    if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        return t.contiguous()
+    return t
+
+
+def _cache_strides(c: torch.Tensor, name: str) -> tuple[int, int]:
+    """(block stride, token stride) in bytes of an MLA cache; its rows must be 16-byte aligned."""
+    e = c.element_size()
+    bs, ts = c.stride(0) * e, c.stride(1) * e
+    if c.data_ptr() % 16 or bs % 16 or ts % 16:
+        raise ValueError(f"hal.mla_decode (cuda pack): {name} needs 16-byte aligned token rows (data pointer, block "
+                         f"and token strides multiples of 16 bytes); got pointer %16 = {c.data_ptr() % 16}, strides "
+                         f"{c.stride()} x {e} bytes. Pass pack='emu' for such a view.")
+    return bs, ts
+
+
+MLA_ROW_GROUPS = ((16, 1), (32, 2))  # rows a sequence -> MMA row groups a CTA (else 4: 64 rows)
+
+
+def mla_decode(call) -> None:
+    """Run a validated :class:`hal.call.MLACall` (R = 512, P = 64: the pack's declaration)."""
+    total_q, h, r = call.q_nope.shape
+    n = call.seq_lens.shape[0]
+    if total_q == 0 or n == 0:
+        return
+    dev = call.q_nope.device
+    rows = call.max_query_len * h
+    groups = next((g for limit, g in MLA_ROW_GROUPS if rows <= limit), 4)
+    row_tiles = -(-rows // (16 * groups))
+    sms, _ = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())
+    size, parts = mla_split(n * row_tiles, call.max_seq_len, sms)
+    if parts > 1:
+        part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
+        part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
+        ws = (part_out.data_ptr(), part_ml.data_ptr())
+    else:
+        ws = (0, 0)
+    qn, qp = _rows16(call.q_nope, "q_nope"), _rows16(call.q_pe, "q_pe")
+    out = call.out if _rows16(call.out, "out") is call.out else torch.empty_like(call.q_nope)
+    cbs, cts = _cache_strides(call.ckv_cache, "ckv_cache")
+    pbs, pts = _cache_strides(call.kpe_cache, "kpe_cache")
+    cs, csp, _ = _scale(call.ckv_scale)
+    ps, psp, _ = _scale(call.kpe_scale)
+    qsl = call.query_start_loc
+    guard, stream = _on(dev)
+    with guard:
+        _C.mla_decode(
+            KINDS[call.ckv_cache.dtype], groups, out.data_ptr(), qn.data_ptr(), qp.data_ptr(),
+            call.ckv_cache.data_ptr(), call.kpe_cache.data_ptr(), call.block_tables.data_ptr(),
+            call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, qn.stride(0), qn.stride(1),
+            qp.stride(0), qp.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts, call.block_tables.stride(0),
+            call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts, row_tiles,
+            int(qn.dtype == torch.bfloat16), stream)
+    if out is not call.out:
+        call.out.copy_(out)
+
+
+def cache_mla(call) -> None:
+    """Run a validated :class:`hal.call.MLAWriteCall`: the latent and the rotary part, one launch each."""
+    nb, bs, _ = call.ckv_cache.shape
+    guard, stream = _on(call.kv_c.device)
+    with guard:
+        for src, cache, s in ((call.kv_c, call.ckv_cache, call.ckv_scale), (call.k_pe, call.kpe_cache, call.kpe_scale)):
+            e = cache.element_size()
+            value, sp, _ = _scale(s)
+            _C.cache_rows(KINDS[cache.dtype], INPUTS[src.dtype], src.data_ptr(), cache.data_ptr(),
+                          call.slot_mapping.data_ptr(), sp, src.stride(0), cache.stride(0) * e, cache.stride(1) * e,
+                          value, src.shape[0], src.shape[1], bs, nb, stream)

@@ -1,5 +1,5 @@
-"""The ``cuda`` pack: native CUDA paged decode attention and cache writes for NVIDIA sm89+ (hardware
-FP8 conversion), tensor cores for QK^T and PV, split-K with a log-sum-exp merge.
+"""The ``cuda`` pack: native CUDA paged decode attention, MLA decode and cache writes for NVIDIA sm89+
+(hardware FP8 conversion), tensor cores for QK^T and PV, split-K with a log-sum-exp merge.
 
 Declared as data below; the dispatcher, the tests' grids and hal-probe read this declaration.
 """
@@ -49,6 +49,29 @@ CACHE_KV = OpSupport(
     cache_dtype_notes=_NOTES,
 )
 
+# MLA decode (DeepSeek-V2/V3 shapes): latent R = 512 (also the value), rotary P = 64 in 16 bits
+# (the query's dtype); any head count and query tokens a sequence (rows = heads x tokens, tiled).
+MLA_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # pages looked up per token row: any power of two
+MLA_DECODE = OpSupport(
+    query_dtypes=frozenset({torch.float16, torch.bfloat16}),
+    cache_dtypes=PAGED_ATTENTION.cache_dtypes,
+    head_sizes=(512,),
+    block_sizes=MLA_BLOCK_SIZES,
+    devices=frozenset({"cuda"}),
+    features=frozenset({"varlen", "strided_cache"}),  # no fp8_rope: the rotary part stays 16-bit
+    rope_dims=(64,),
+    cache_dtype_notes=_NOTES,
+)
+CACHE_MLA = OpSupport(
+    query_dtypes=CACHE_KV.query_dtypes,
+    cache_dtypes=PAGED_ATTENTION.cache_dtypes,
+    head_sizes=tuple(range(16, 1025, 16)),
+    block_sizes=tuple(range(1, 257)),
+    devices=frozenset({"cuda"}),
+    features=frozenset({"strided_cache", "fp8_rope"}),
+    cache_dtype_notes=_NOTES,
+)
+
 
 def _module():
     return importlib.import_module("._C", __package__)
@@ -64,8 +87,10 @@ class CudaPack(Pack):
     NAME = "cuda"
     DESCRIPTION = "native CUDA for NVIDIA sm89+: mma.sync tensor cores, hardware FP8 conversion, split-K"
     VENDORS = frozenset({"cuda"})
-    SUPPORTS = {"paged_attention": PAGED_ATTENTION, "cache_kv": CACHE_KV}
-    IMPLEMENTATIONS = {"paged_attention": "launch:paged_attention", "cache_kv": "launch:cache_kv"}
+    SUPPORTS = {"paged_attention": PAGED_ATTENTION, "cache_kv": CACHE_KV, "mla_decode": MLA_DECODE,
+                "cache_mla": CACHE_MLA}
+    IMPLEMENTATIONS = {"paged_attention": "launch:paged_attention", "cache_kv": "launch:cache_kv",
+                       "mla_decode": "launch:mla_decode", "cache_mla": "launch:cache_mla"}
 
     def native_for(self, target: Target) -> str | None:
         why = super().native_for(target)
@@ -105,10 +130,14 @@ class CudaPack(Pack):
 
     def reasons(self, key: CallKey, target: Target) -> list[str]:
         out = super().reasons(key, target)
-        if key.op == "paged_attention" and key.cache_dtype in (torch.float16, torch.bfloat16) \
+        if key.op in ("paged_attention", "mla_decode") and key.cache_dtype in (torch.float16, torch.bfloat16) \
                 and key.query_dtype != key.cache_dtype:
             out.append(f"a {dtypes.name(key.cache_dtype)} cache needs a query of the same dtype "
                        f"(got {dtypes.name(key.query_dtype)})")
+        if key.op == "mla_decode" and key.rope_dtype in (torch.float16, torch.bfloat16, torch.float32) \
+                and key.rope_dtype != key.query_dtype:
+            out.append(f"the rotary cache (kpe_cache) must have the query's dtype {dtypes.name(key.query_dtype)} "
+                       f"(got {dtypes.name(key.rope_dtype)})")
         return out
 
 

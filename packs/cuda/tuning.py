@@ -63,6 +63,18 @@ def split(ctas: int, max_len: int, sms: int, params: dict) -> tuple[int, int]:
     return size, -(-max_len // size)
 
 
+def mla_split(units: int, max_len: int, sms: int, min_partition: int = 256) -> tuple[int, int]:
+    """(partition_size, num_parts) for MLA decode, whose CTAs (``units`` = sequences x row tiles of one
+    pass) are one per SM (their shared memory): cut the context until the CTAs about fill the SMs
+    once, never more than one wave (a second, partial wave would cost as much as the first), and
+    never into partitions under ``min_partition`` tokens. Sizes are multiples of 64 tokens."""
+    max_len = max(max_len, 1)
+    parts = max(1, sms // max(1, units))
+    parts = min(parts, max(1, max_len // min_partition))
+    size = -(-(-(-max_len // parts)) // 64) * 64
+    return size, -(-max_len // size)
+
+
 def warp_rows(rows: int, sms: int, params: dict) -> bool:
     """Whether a one-pass call of ``rows`` (sequences x KV heads x head tiles) has each warp serve its
     own row: when ``rows >= warp_rows * sms * ctas_per_sm * waves`` (the entry's ``warp_rows``; 0 or

@@ -19,7 +19,7 @@ template <typename T>
 static T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "hal cuda pack kernels (paged decode attention, partition reduce, cache_kv)";
+  m.doc() = "hal cuda pack kernels (paged decode attention, partition reduce, cache_kv, MLA decode, cache rows)";
   m.def("device_count", [] {
     int count = 0;
     int err = (int)cudaGetDeviceCount(&count);
@@ -110,5 +110,65 @@ PYBIND11_MODULE(_C, m) {
             err = launch_cache_kv(kind, input, p, reinterpret_cast<cudaStream_t>(stream));
           }
           check(err, "cache_kv");
+        });
+  // MLA decode (R = 512, P = 64); kind: the latent cache's, as paged_attention
+  m.def("mla_decode",
+        [](int kind, int row_groups, std::uintptr_t out, std::uintptr_t q_nope, std::uintptr_t q_pe, std::uintptr_t ckv,
+           std::uintptr_t kpe, std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
+           std::uintptr_t ckv_scale_ptr, std::uintptr_t kpe_scale_ptr, std::uintptr_t part_out, std::uintptr_t part_ml,
+           int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1, int64_t out_stride0,
+           int64_t out_stride1, int64_t ckv_block_stride, int64_t ckv_token_stride, int64_t kpe_block_stride,
+           int64_t kpe_token_stride, int64_t bt_stride0, float scale, float ckv_scale, float kpe_scale, int num_seqs,
+           int num_heads, int total_q, int block_size, int partition_size, int num_parts, int row_tiles, int q_is_bf16,
+           std::uintptr_t stream) {
+          MLAParams p{};
+          p.out = ptr<void>(out); p.q_nope = ptr<const void>(q_nope); p.q_pe = ptr<const void>(q_pe);
+          p.ckv = ptr<const uint8_t>(ckv); p.kpe = ptr<const uint8_t>(kpe);
+          p.block_tables = ptr<const int>(block_tables); p.seq_lens = ptr<const int>(seq_lens);
+          p.query_start_loc = ptr<const int>(query_start_loc);
+          p.ckv_scale_ptr = ptr<const float>(ckv_scale_ptr); p.kpe_scale_ptr = ptr<const float>(kpe_scale_ptr);
+          p.part_out = ptr<float>(part_out); p.part_ml = ptr<float>(part_ml);
+          p.qn_stride0 = qn_stride0; p.qn_stride1 = qn_stride1; p.qp_stride0 = qp_stride0; p.qp_stride1 = qp_stride1;
+          p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
+          p.ckv_block_stride = ckv_block_stride; p.ckv_token_stride = ckv_token_stride;
+          p.kpe_block_stride = kpe_block_stride; p.kpe_token_stride = kpe_token_stride; p.bt_stride0 = bt_stride0;
+          p.scale = scale; p.ckv_scale = ckv_scale; p.kpe_scale = kpe_scale;
+          p.num_seqs = num_seqs; p.num_heads = num_heads; p.total_q = total_q; p.block_size = block_size;
+          p.block_shift = 0;
+          while ((1 << p.block_shift) < block_size) ++p.block_shift;
+          if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+          if (partition_size % 64 != 0) throw std::invalid_argument("partition_size must be a multiple of 64");
+          p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
+          if (num_seqs == 0 || total_q == 0) return;
+          auto s = reinterpret_cast<cudaStream_t>(stream);
+          int err;
+          {
+            py::gil_scoped_release nogil;
+            switch (kind) {
+              case 0: err = launch_mla_f16(row_groups, p, s); break;
+              case 1: err = launch_mla_bf16(row_groups, p, s); break;
+              case 2: err = launch_mla_e4m3(row_groups, p, s); break;
+              case 3: err = launch_mla_e5m2(row_groups, p, s); break;
+              default: err = (int)cudaErrorInvalidValue;
+            }
+            if (err == 0 && num_parts > 1) err = launch_mla_reduce(p, s);
+          }
+          check(err, "mla_decode");
+        });
+  m.def("cache_rows",
+        [](int kind, int input, std::uintptr_t src, std::uintptr_t cache, std::uintptr_t slot_mapping,
+           std::uintptr_t scale_ptr, int64_t src_stride0, int64_t block_stride, int64_t token_stride, float scale,
+           int num_tokens, int width, int block_size, int num_blocks, std::uintptr_t stream) {
+          RowCacheParams p{};
+          p.src = ptr<const void>(src); p.cache = ptr<uint8_t>(cache); p.slot_mapping = ptr<const int64_t>(slot_mapping);
+          p.scale_ptr = ptr<const float>(scale_ptr); p.src_stride0 = src_stride0; p.block_stride = block_stride;
+          p.token_stride = token_stride; p.scale = scale; p.num_tokens = num_tokens; p.width = width;
+          p.block_size = block_size; p.num_blocks = num_blocks;
+          int err;
+          {
+            py::gil_scoped_release nogil;
+            err = launch_cache_rows(kind, input, p, reinterpret_cast<cudaStream_t>(stream));
+          }
+          check(err, "cache_rows");
         });
 }

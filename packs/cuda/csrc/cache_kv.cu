@@ -55,6 +55,41 @@ static int launch_kind(int input, const CacheParams& p, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
+// One CTA per token: a row of p.width elements at its slot (token rows p.token_stride bytes apart).
+template <Kind K, typename In>
+__global__ void cache_rows_kernel(const RowCacheParams p) {
+  const int tok = blockIdx.x;
+  const int64_t slot = p.slot_mapping[tok];
+  if (slot < 0 || slot >= (int64_t)p.num_blocks * p.block_size) return;
+  const int64_t blk = slot / p.block_size, off = slot % p.block_size;
+  const float s = p.scale_ptr ? *p.scale_ptr : p.scale;
+  write_row<K>(reinterpret_cast<const In*>(p.src) + tok * p.src_stride0, p.cache + blk * p.block_stride + off * p.token_stride,
+               p.width, s);
+}
+
+template <Kind K>
+static int launch_rows_kind(int input, const RowCacheParams& p, cudaStream_t stream) {
+  const int threads = p.width >= 256 ? 128 : 32;
+  switch (input) {
+    case 0: cache_rows_kernel<K, __half><<<p.num_tokens, threads, 0, stream>>>(p); break;
+    case 1: cache_rows_kernel<K, __nv_bfloat16><<<p.num_tokens, threads, 0, stream>>>(p); break;
+    case 2: cache_rows_kernel<K, float><<<p.num_tokens, threads, 0, stream>>>(p); break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+  return (int)cudaGetLastError();
+}
+
+int launch_cache_rows(int kind, int input, const RowCacheParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return 0;
+  switch (kind) {
+    case 0: return launch_rows_kind<Kind::F16>(input, p, stream);
+    case 1: return launch_rows_kind<Kind::BF16>(input, p, stream);
+    case 2: return launch_rows_kind<Kind::E4M3>(input, p, stream);
+    case 3: return launch_rows_kind<Kind::E5M2>(input, p, stream);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
 int launch_cache_kv(int kind, int input, const CacheParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return 0;
   switch (kind) {

@@ -16,4 +16,13 @@ int launch_reduce(int head_size, const DecodeParams& p, cudaStream_t stream);
 // kind: 0 fp16, 1 bf16, 2 e4m3fn, 3 e5m2 cache; input: 0 fp16, 1 bf16, 2 fp32 key/value
 int launch_cache_kv(int kind, int input, const CacheParams& p, cudaStream_t stream);
 
+// MLA decode (R = 512, P = 64): row_groups 1, 2 or 4 (16, 32 or 64 rows a CTA); the merge after it
+// when num_parts > 1. cache_rows: rows of one width into a paged cache (cache_mla), kind as cache_kv.
+int launch_mla_f16(int row_groups, const MLAParams& p, cudaStream_t stream);
+int launch_mla_bf16(int row_groups, const MLAParams& p, cudaStream_t stream);
+int launch_mla_e4m3(int row_groups, const MLAParams& p, cudaStream_t stream);
+int launch_mla_e5m2(int row_groups, const MLAParams& p, cudaStream_t stream);
+int launch_mla_reduce(const MLAParams& p, cudaStream_t stream);
+int launch_cache_rows(int kind, int input, const RowCacheParams& p, cudaStream_t stream);
+
 }  // namespace hal_cuda

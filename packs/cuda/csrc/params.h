@@ -43,4 +43,38 @@ struct CacheParams {
   int num_tokens, num_kv_heads, head_size, block_size, num_blocks;
 };
 
+// MLA decode (absorbed form): every query head attends one shared latent (R = 512, also the value)
+// and a rotary part (P = 64) per token; rows of a sequence are (query token, head) pairs, heads fastest.
+struct MLAParams {
+  void* out;                    // [total_q, num_heads, 512], query dtype; strides in elements
+  const void* q_nope;           // [total_q, num_heads, 512], fp16 or bf16, 16-byte aligned rows
+  const void* q_pe;             // [total_q, num_heads, 64], the query's dtype
+  const uint8_t* ckv;           // latent cache; strides in bytes (views into a combined cache work)
+  const uint8_t* kpe;           // rotary cache, 16-bit (the query's dtype)
+  const int* block_tables;      // [num_seqs, bt_stride0] int32
+  const int* seq_lens;          // [num_seqs] int32
+  const int* query_start_loc;   // [num_seqs + 1] or null (one row per sequence)
+  const float* ckv_scale_ptr;   // 0-d device scale or null: use ckv_scale
+  const float* kpe_scale_ptr;
+  float* part_out;              // [total_q, num_heads, num_parts, 512] fp32 (split only)
+  float* part_ml;               // [total_q, num_heads, num_parts, 2] (max in log2 units, sum)
+  int64_t qn_stride0, qn_stride1, qp_stride0, qp_stride1, out_stride0, out_stride1;
+  int64_t ckv_block_stride, ckv_token_stride, kpe_block_stride, kpe_token_stride;
+  int64_t bt_stride0;
+  float scale, ckv_scale, kpe_scale;
+  int num_seqs, num_heads, total_q, block_size, block_shift;
+  int partition_size, num_parts, row_tiles, q_is_bf16;
+};
+
+// Writing rows of one width into a paged cache whose token rows may be strided (cache_mla).
+struct RowCacheParams {
+  const void* src;              // [num_tokens, width]; src_stride0 in elements
+  uint8_t* cache;               // block_stride / token_stride in bytes
+  const int64_t* slot_mapping;
+  const float* scale_ptr;
+  int64_t src_stride0, block_stride, token_stride;
+  float scale;
+  int num_tokens, width, block_size, num_blocks;
+};
+
 }  // namespace hal_cuda
