@@ -43,7 +43,7 @@ template <int MW> struct Tile {
   static constexpr int PStr = N + 8;         // row stride of P in shared memory
   static constexpr int kPre = kR / 16 * N / kThreads;  // 16-byte FP8 chunks a thread prefetches
   static constexpr size_t kSmem = (size_t)(M + 2 * N) * kStr * 2 + (size_t)M * PStr * 2 + kWarps * 16 * 4;
-  static_assert(NT >= 1 && ON % 2 == 0, "tile shape");
+  static_assert(NT >= 1 && ON % 2 == 0 && N * 8 % kThreads == 0, "tile shape");
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -170,32 +170,46 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   // ---- K/V tiles ----
   const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
   const int bmask = p.block_size - 1;
+  // A tile starts at a multiple of N, so with block_size >= N it lies in one page: one table read.
+  const bool one_page = p.block_size >= T::N;
+  int64_t page = 0;
+  auto page_of = [&](int pos) -> int64_t { return one_page ? page : table[pos >> p.block_shift]; };
   auto ckv_row = [&](int pos) {
-    return p.ckv + (int64_t)table[pos >> p.block_shift] * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
+    return p.ckv + page_of(pos) * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
   };
   auto kpe_row = [&](int pos) {
-    return p.kpe + (int64_t)table[pos >> p.block_shift] * p.kpe_block_stride + (int64_t)(pos & bmask) * p.kpe_token_stride;
+    return p.kpe + page_of(pos) * p.kpe_block_stride + (int64_t)(pos & bmask) * p.kpe_token_stride;
   };
   uint4 pre[kFp8 ? T::kPre : 1];
   // Issue tile s's loads into buffer b: rope (and a 16-bit latent) by cp.async, an FP8 latent into pre.
+  // Loops with constant trip counts (unrolled): a thread's chunks of a tile are rows j0 + step * i
+  // at one column, so a row's address is the previous one plus a constant on a one-page tile.
   auto load_tile = [&](int b, int s) {
     uint16_t* dst = sk + b * T::N * kStr;
-    for (int c = tid; c < T::N * 8; c += kThreads) {
-      const int j = c >> 3, ch = c & 7, pos = s + j;
+    if (one_page) page = table[s >> p.block_shift];
+    const uint8_t* c0 = p.ckv + page * p.ckv_block_stride + (int64_t)(s & bmask) * p.ckv_token_stride;
+    const uint8_t* k0 = p.kpe + page * p.kpe_block_stride + (int64_t)(s & bmask) * p.kpe_token_stride;
+#pragma unroll
+    for (int i = 0; i < T::N * 8 / kThreads; ++i) {
+      const int c = tid + i * kThreads, j = c >> 3, ch = c & 7, pos = s + j;
       const bool ok = pos < p1;
-      cp_async16(smem_addr(dst + j * kStr + kR + ch * 8), ok ? kpe_row(pos) + ch * 16 : p.kpe, ok);
+      const uint8_t* src = one_page ? k0 + (int64_t)j * p.kpe_token_stride : kpe_row(pos);
+      cp_async16(smem_addr(dst + j * kStr + kR + ch * 8), ok ? src + ch * 16 : p.kpe, ok);
     }
     if constexpr (!kFp8) {
-      for (int c = tid; c < T::N * 64; c += kThreads) {
-        const int j = c >> 6, ch = c & 63, pos = s + j;
+#pragma unroll
+      for (int i = 0; i < T::N * 64 / kThreads; ++i) {
+        const int c = tid + i * kThreads, j = c >> 6, ch = c & 63, pos = s + j;
         const bool ok = pos < p1;
-        cp_async16(smem_addr(dst + j * kStr + ch * 8), ok ? ckv_row(pos) + ch * 16 : p.ckv, ok);
+        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_row(pos);
+        cp_async16(smem_addr(dst + j * kStr + ch * 8), ok ? src + ch * 16 : p.ckv, ok);
       }
     } else {
 #pragma unroll
       for (int i = 0; i < T::kPre; ++i) {
         const int c = tid + i * kThreads, j = c >> 5, ch = c & 31, pos = s + j;
-        pre[i] = pos < p1 ? __ldg(reinterpret_cast<const uint4*>(ckv_row(pos) + ch * 16)) : make_uint4(0, 0, 0, 0);
+        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_row(pos);
+        pre[i] = pos < p1 ? __ldg(reinterpret_cast<const uint4*>(src + ch * 16)) : make_uint4(0, 0, 0, 0);
       }
     }
     cp_async_commit();
@@ -236,6 +250,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   for (int n = 0; n < T::ON; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.f, 0.f};
   const uint32_t qa = smem_addr(sq + (rg * 16 + (lane & 15)) * kStr + (lane >> 4) * 8);
+  // One row group (16 rows) over a 16-bit latent: its Q fragments fit in registers, loaded once
+  // instead of every tile (with FP8, the prefetched latent needs those registers).
+  constexpr bool kQRegs = MW == 1 && !kFp8;
+  constexpr int kChains = T::NT == 1 ? 2 : 1;
+  uint32_t qf[kQRegs ? kW / 16 : 1][4];
+  if constexpr (kQRegs) {
+#pragma unroll
+    for (int kk = 0; kk < kW / 16; ++kk) ldsm_x4(qf[kk], qa + kk * 32);
+  }
   const uint32_t pa = smem_addr(sp + (rg * 16 + (lane & 15)) * T::PStr + (lane >> 4) * 8);
 
   for (int it = 0; it < ntiles; ++it) {
@@ -245,15 +268,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
     const uint16_t* kb = sk + b * T::N * kStr;
 
     // ---- S = Q K^T: rope dims first (query dtype), scaled into latent units, then the latent ----
-    float sc[T::NT][4];
+    // kChains independent accumulator sets (alternate k steps) so the MMAs of a warp do not wait
+    // on each other when it has a single n8 tile; summed after the product.
+    float acc[kChains][T::NT][4];
 #pragma unroll
-    for (int j = 0; j < T::NT; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+    for (int c = 0; c < kChains; ++c)
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j) acc[c][j][0] = acc[c][j][1] = acc[c][j][2] = acc[c][j][3] = 0.f;
     // B fragments: tokens cg*NW + j*8 + (lane & 7), dims +8 for lanes 8-15 (x4: lanes 16-31 the next n8)
     const uint32_t kaddr = smem_addr(kb + (cg * T::NW + (lane & 7) + ((lane >> 4) & 1) * 8) * kStr + ((lane >> 3) & 1) * 8);
     auto qk = [&](int kk, auto bf16_tag) {
       constexpr bool kBf = decltype(bf16_tag)::value;
+      float (&sc)[T::NT][4] = acc[kk % kChains];
       uint32_t a[4];
-      ldsm_x4(a, qa + kk * 32);
+      if constexpr (kQRegs) {
+        a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+      } else {
+        ldsm_x4(a, qa + kk * 32);
+      }
       if constexpr (T::NT == 1) {
         uint32_t bb[2];
         ldsm_x2(bb, kaddr + kk * 32);
@@ -271,9 +303,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
 #pragma unroll
     for (int kk = kR / 16; kk < kW / 16; ++kk) qk(kk, std::integral_constant<bool, kQBf16>{});
 #pragma unroll
-    for (int j = 0; j < T::NT; ++j) sc[j][0] *= ratio, sc[j][1] *= ratio, sc[j][2] *= ratio, sc[j][3] *= ratio;
+    for (int c = 0; c < kChains; ++c)
+#pragma unroll
+      for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[c][j][e] *= ratio;
 #pragma unroll
     for (int kk = 0; kk < kR / 16; ++kk) qk(kk, std::integral_constant<bool, kNopeBf16>{});
+    float sc[T::NT][4];
+#pragma unroll
+    for (int j = 0; j < T::NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[j][e] = acc[0][j][e];
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) sc[j][e] += acc[c][j][e];
+      }
 
     // ---- online softmax over the row group (log2 units) ----
     float mx[2] = {-INFINITY, -INFINITY};
