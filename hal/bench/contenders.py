@@ -12,6 +12,10 @@ both (``ops``); a problem gets a row from every selected contender that serves i
 * prefill: ``torch-sdpa`` (dense K/V), ``flashinfer-prefill``, ``fa3``, ``fa3-fp8``
   (:mod:`hal.bench.prefill_baselines`); ``emu-torch`` is the emu pack's multi-token PyTorch path
   (``torch_prefill``), ``emu-triton`` its multi-token Triton path where the tree has one.
+* MLA decode (:mod:`hal.bench.mla`): ``hal`` / ``hal:NAME`` call ``hal.mla_decode``, ``emu-torch`` /
+  ``emu-triton`` the emu pack's MLA paths (``torch_mla`` / ``triton_mla``); the baselines are
+  ``torch`` (plain PyTorch, the MLA rows' speed-up reference), ``flashmla``, ``flashmla-fp8`` and
+  ``flashinfer-mla`` (:mod:`hal.bench.mla_baselines`).
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ from collections.abc import Callable
 import torch
 
 import hal
-from hal.bench import baselines, prefill_baselines
+from hal.bench import baselines, mla_baselines, prefill_baselines
 from hal.bench.baselines import Skip
 from hal.bench.check import emu_runner
 from hal.bench.data import Problem
 from hal.bench.prefill import emu_call_record
 
-DECODE, PREFILL = "decode", "prefill"
+DECODE, PREFILL, MLA = "decode", "prefill", "mla"
 BOTH = frozenset({DECODE, PREFILL})
+EVERY_OP = frozenset({DECODE, PREFILL, MLA})
 
 
 @dataclasses.dataclass
@@ -39,6 +44,7 @@ class Prepared:
     run: Callable[[], object]           # one call; returns the output tensor or writes ``out``
     out: torch.Tensor | None = None     # poisoned with NaN before the checked call
     note: str = ""
+    tolerance: float | None = None      # this problem's own bound (overrides the contender's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +68,11 @@ def _hal(pack: str | None):
                 raise Skip(f"no pack named {pack!r} in this build")
             if not known[pack].availability.ok:
                 raise Skip("unavailable: " + "; ".join(known[pack].availability.reasons))
+        if p.op == MLA:
+            return Prepared(*mla_baselines.hal_mla(p, pack))
         varlen = {}
         if p.op == PREFILL:
-            varlen = dict(query_start_loc=p.query_start_loc, max_query_len=p.max_query_len, causal=True)
+            varlen = {"query_start_loc": p.query_start_loc, "max_query_len": p.max_query_len, "causal": True}
         decision = hal.explain(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, scale=p.scale,
                                k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len, pack=pack, **varlen)
         if decision.pack is None:
@@ -85,6 +93,8 @@ def _hal(pack: str | None):
 
 
 def _emu_torch(p: Problem, opts: dict) -> Prepared:
+    if p.op == MLA:
+        return Prepared(*mla_baselines.emu_torch(p))
     out = torch.empty_like(p.query)
     if p.op == PREFILL:
         from hal.kernelpacks.emu import torch_prefill
@@ -125,6 +135,8 @@ def _emu_triton(p: Problem, opts: dict) -> Prepared:
     why = emu_pack.triton_usable()
     if why:
         raise Skip(f"Triton path not usable: {why}")
+    if p.op == MLA:
+        return Prepared(*mla_baselines.emu_triton(p))
     if p.op == PREFILL:
         return _emu_triton_varlen(p)
     name = "hal.kernelpacks.emu.triton_path"
@@ -159,18 +171,32 @@ def _flashinfer(tensor_cores: bool):
     return setup
 
 
+def _mla(fn, with_opts: bool = False):
+    def setup(p, opts: dict) -> Prepared:
+        return Prepared(*(fn(p, bool(opts.get("flashinfer_jit"))) if with_opts else fn(p)))
+    return setup
+
+
 BASELINE = "torch-sdpa"
+MLA_BASELINE = "torch"
+BASELINES = {DECODE: BASELINE, PREFILL: BASELINE, MLA: MLA_BASELINE}   # the speed-ups' reference, per op
+
+
+def baseline_for(op: str) -> str:
+    return BASELINES.get(op, BASELINE)
 
 
 def all_contenders() -> list[Contender]:
     """Every contender this build knows, in display order (packs found at run time)."""
-    out = [Contender("hal", "hal", "hal.paged_attention, automatic dispatch", _hal(None))]
+    out = [Contender("hal", "hal", "hal.paged_attention / hal.mla_decode, automatic dispatch", _hal(None),
+                     ops=EVERY_OP)]
     for p in hal.packs():
         if p.NAME != "emu":
-            out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention(pack={p.NAME!r})", _hal(p.NAME)))
+            out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention / hal.mla_decode(pack={p.NAME!r})",
+                                 _hal(p.NAME), ops=EVERY_OP))
     out += [
-        Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch),
-        Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton),
+        Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch, ops=EVERY_OP),
+        Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton, ops=EVERY_OP),
         Contender(BASELINE, "baseline", "plain PyTorch: decode: padded gather + cast/scale + SDPA (GQA) timed; "
                   "prefill: SDPA (causal, bottom-right) on dense K/V gathered before timing", _torch_sdpa),
         Contender("flashinfer-tc", "baseline", "FlashInfer BatchDecodeWithPagedKVCacheWrapper, tensor cores",
@@ -184,13 +210,24 @@ def all_contenders() -> list[Contender]:
         Contender("fa3-fp8", "ceiling", "FlashAttention-3 (fa3-fwd) varlen, FP8 Q/K/V with descales, contiguous K/V",
                   _prefill_baseline(prefill_baselines.fa3_fp8), ops=frozenset({PREFILL}),
                   tolerance=prefill_baselines.FA3_FP8_TOLERANCE),
+        Contender(MLA_BASELINE, "baseline", "plain PyTorch MLA: padded gather, dequantize, float32 scores, softmax, "
+                  "bf16 probabilities x latent, all timed", _mla(mla_baselines.torch_mla), ops=frozenset({MLA})),
+        Contender("flashmla", "baseline", "FlashMLA (sgl-flash-mla) dense bf16 decode, page 64, the problem's own cache",
+                  _mla(mla_baselines.flashmla_bf16), ops=frozenset({MLA})),
+        Contender("flashmla-fp8", "baseline", "FlashMLA (sgl-flash-mla) dense FP8 decode: FP8 Q (quantized before "
+                  "timing), latent and rotary part, P in FP8; flagged", _mla(mla_baselines.flashmla_fp8),
+                  ops=frozenset({MLA}), tolerance=mla_baselines.FLASHMLA_FP8_TOLERANCE),
+        Contender("flashinfer-mla", "baseline", "FlashInfer BatchMLAPagedAttentionWrapper, fa3, bf16 Q over a bf16 or "
+                  "e4m3fn latent (rotary part copied to e4m3fn there: flagged)",
+                  _mla(mla_baselines.flashinfer_mla, True), ops=frozenset({MLA})),
     ]
     return out
 
 
 def select(patterns: list[str] | None, known: list[Contender] | None = None) -> list[Contender]:
     """Contenders whose names match any pattern (fnmatch, comma-separated allowed), in display
-    order; the baseline is always kept, since every speed-up is quoted against it."""
+    order; the baselines (torch-sdpa; torch for MLA) are always kept, since every speed-up is quoted
+    against them."""
     known = known if known is not None else all_contenders()
     if not patterns:
         return known
@@ -198,4 +235,5 @@ def select(patterns: list[str] | None, known: list[Contender] | None = None) -> 
     unknown = [x for x in pats if not any(fnmatch.fnmatch(c.name, x) for c in known)]
     if unknown:
         raise ValueError(f"no contender matches {', '.join(unknown)}: known are {', '.join(c.name for c in known)}")
-    return [c for c in known if c.name == BASELINE or any(fnmatch.fnmatch(c.name, x) for x in pats)]
+    keep = set(BASELINES.values())
+    return [c for c in known if c.name in keep or any(fnmatch.fnmatch(c.name, x) for x in pats)]

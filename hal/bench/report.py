@@ -41,7 +41,8 @@ def render(result: dict, console: Console) -> None:
         reasons.setdefault(r["contender"], set()).add(r["reason"] if r["status"] == "skip" else None)
     skipped_everywhere = {c: next(iter(rs)) for c, rs in reasons.items() if len(rs) == 1 and None not in rs}
     ops = {r.get("op", "decode") for r in rows}
-    decode_cols, prefill_cols = "decode" in ops, "prefill" in ops
+    # MLA rows fill both: bandwidth (decode's ceiling) and TFLOP/s (prefill's); 128 heads are compute-bound
+    decode_cols, prefill_cols = bool(ops & {"decode", "mla"}), bool(ops & {"prefill", "mla"})
     table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
     right = {"justify": "right"}
     cols = [("shape", {"overflow": "fold", "max_width": 28}), ("kv", {}), ("contender", {}), ("status", {}),
@@ -64,14 +65,16 @@ def render(result: dict, console: Console) -> None:
         first = key != previous
         previous = key
         speed = r["speedup_vs_baseline"]
-        pre = r.get("op") == "prefill"
+        op = r.get("op", "decode")
+        pre = op == "prefill"
         cells = [r["shape"] if first else "", r["kv_dtype"] if first else "", r["contender"],
                  Text(r["status"], style=STATUS_STYLE.get(r["status"], "")),
                  _f(r["time_us"], ",.1f"), _f(r.get("host_us"), ",.0f")]
         if decode_cols:
             cells += ["", ""] if pre else [_f(r["GBps"], ".2f"), _f(r["fraction_of_copy"], ".3f")]
         if prefill_cols:
-            cells += [_f(r.get("TFLOPs"), ".3g"), _f(r.get("fraction_of_matmul"), ".3g")] if pre else ["", ""]
+            cells += [_f(r.get("TFLOPs"), ".3g"), _f(r.get("fraction_of_matmul"), ".3g")] if op in ("prefill", "mla") \
+                else ["", ""]
         cells += ["" if speed is None else f"{speed:.2f}x", _f(r["err_all"], ".1e"), _f(r["err_f64"], ".1e"),
                   " ".join(x for x in (r["note"], r["reason"]) if x)]
         table.add_row(*cells)
@@ -80,13 +83,17 @@ def render(result: dict, console: Console) -> None:
         console.print(f"[dim]{name}: skipped on every problem: {why}[/]")
     tol = sorted({r["tolerance"] for r in result["rows"] if r["tolerance"] is not None})
     legend = f"[dim]time: median of the timed reps after warm-up ({s['timer']}, caches flushed between calls); "
-    if decode_cols:
+    if "decode" in ops:
         legend += ("GB/s: bytes the op must move (KV referenced + query + output + block table + seq_lens) / time; "
                    "of copy: GB/s / copy bandwidth; ")
-    if prefill_cols:
+    if "prefill" in ops:
         legend += ("TFLOP/s: 4 x heads x head_size x (sum over query rows of the keys each attends) / time; "
                    "of mm: TFLOP/s / the bf16 matmul's; ")
-    legend += (f"Checked before timing: err all = worst per-sequence (decode) or per-row (prefill) relative L2 "
+    if "mla" in ops:
+        legend += ("MLA rows: bytes = latent and rotary part of every referenced token + query + output + tables, "
+                   "FLOP = 2 x heads x (2R + P) x keys attended, checked to 5e-3 (FLAGGED rows round to FP8 on "
+                   "purpose and are checked to their own bound); ")
+    legend += (f"Checked before timing: err all = worst per-sequence (decode) or per-row (prefill, MLA) relative L2 "
                f"error vs the emu torch path in float32 (every sequence), err f64 = the same vs float64 on a subset "
                f"of sequences; tolerance {', '.join(f'{t:.2g}' for t in tol) or '-'}. A FAIL row is not timed.[/]")
     console.print(legend)
@@ -110,7 +117,7 @@ def plot(result: dict, path: str | Path) -> tuple[Path | None, str]:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as exc:  # ImportError or a broken backend
+    except Exception as exc:  # noqa: BLE001 - ImportError or a broken backend
         return None, f"plot skipped: matplotlib is not importable ({type(exc).__name__}: {exc})"
     def fraction(r):  # decode: of the copy bandwidth; prefill: of the matmul's TFLOP/s
         return r.get("fraction_of_matmul") if r.get("op") == "prefill" else r.get("fraction_of_copy")

@@ -1,7 +1,7 @@
-"""One benchmark run: the copy bandwidth first (and, when there are prefill shapes, a bf16 matrix
-product's TFLOP/s: prefill's ceiling), then for every shape x KV dtype a fresh problem, its
-reference, and every contender that serves the problem's op (decode or prefill) checked, then
-timed. Nothing here raises for a contender: a contender that cannot run is a ``skip`` row, one that
+"""One benchmark run: the copy bandwidth first (and, when there are prefill or MLA shapes, a bf16
+matrix product's TFLOP/s: their compute ceiling), then for every shape x KV dtype a fresh problem,
+its reference, and every contender that serves the problem's op (decode, prefill or mla) checked,
+then timed. Nothing here raises for a contender: a contender that cannot run is a ``skip`` row, one that
 errors or is wrong a ``FAIL`` row."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 
 import hal
-from hal.bench import check, data, prefill, timing
+from hal.bench import check, data, mla, prefill, timing
 from hal.bench.baselines import Skip
-from hal.bench.contenders import BASELINE, Contender
+from hal.bench.contenders import BASELINE, Contender, baseline_for
 from hal.bench.shapes import Shape
 
 
@@ -61,7 +61,7 @@ def device_info(device: torch.device) -> dict:
         info.update(name=name, cpus=os.cpu_count())
     try:
         info["hal_target"] = hal.target().describe()
-    except Exception as exc:  # the bench still runs
+    except Exception as exc:  # noqa: BLE001 - the bench still runs
         info["hal_target"] = f"unknown ({_short(exc)})"
     return info
 
@@ -116,18 +116,19 @@ def check_contender(c: Contender, p: data.Problem, ref: check.Reference, opts: O
         if out is None:
             return _row(p.shape, kv, c, status="FAIL", reason="returned no output", note=prepared.note), None
         phase = "check"
-        v = ref.check(out, tolerance=c.tolerance)
+        tol = c.tolerance if prepared.tolerance is None else prepared.tolerance
+        v = ref.check(out, tolerance=tol)
         del out, result
         row = _row(p.shape, kv, c, status="ok" if v.ok else "FAIL", reason=v.reason, err_all=v.err_all,
                    err_f64=v.err_f64, max_abs_err=v.max_abs,
-                   tolerance=ref.tolerance if c.tolerance is None else c.tolerance, note=prepared.note)
+                   tolerance=ref.tolerance if tol is None else tol, note=prepared.note)
         return row, (prepared if v.ok else None)
     except Skip as why:
         return _row(p.shape, kv, c, status="skip", reason=str(why)), None
     except Exception as exc:  # noqa: BLE001 - a contender never ends the run
         try:
             _sync(p.device)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - the FAIL row below says what happened
             pass
         return _row(p.shape, kv, c, status="FAIL", reason=f"{phase}: {_short(exc)}",
                     note=prepared.note if prepared else ""), None
@@ -149,7 +150,7 @@ def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contende
     progress(f"{label}: timing {', '.join(runs)}")
     timings = timer.interleaved(runs, reps=opts.reps, warmup=opts.warmup, budget_s=opts.budget_s)
     nbytes = p.bytes_moved()["total"]
-    flop = p.flop() if p.op == "prefill" else None
+    flop = p.flop() if p.op in ("prefill", "mla") else None
     for row in rows:
         t = timings.get(row["contender"])
         if t is None:
@@ -163,7 +164,7 @@ def run_problem(p: data.Problem, ref: check.Reference, contenders: list[Contende
         if flop is not None:
             tflops = flop / t.median_s / 1e12
             row.update(flop=flop, TFLOPs=tflops, fraction_of_matmul=tflops / matmul_tflops if matmul_tflops else None)
-    base = next((r for r in rows if r["contender"] == BASELINE and r["time_us"]), None)
+    base = next((r for r in rows if r["contender"] == baseline_for(p.op) and r["time_us"]), None)
     for r in rows:
         if base and r["time_us"]:
             r["speedup_vs_baseline"] = base["time_us"] / r["time_us"]
@@ -185,7 +186,7 @@ def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], conten
         copy = timing.CopyBandwidth(0.0, 0, 0.0, f"copy measurement failed: {_short(exc)}")
     progress(f"copy bandwidth {copy.gbps:.1f} GB/s ({copy.method})")
     matmul = None
-    if any(s.op == "prefill" for s in shapes):
+    if any(s.op in ("prefill", "mla") for s in shapes):
         progress("measuring bf16 matrix-product TFLOP/s")
         try:
             matmul = timing.matmul_tflops(dev)
@@ -193,6 +194,11 @@ def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], conten
             matmul = timing.Matmul(0.0, 0, "", 0.0, f"matmul measurement failed: {_short(exc)}")
         progress(f"matmul {matmul.tflops:.2f} TFLOP/s ({matmul.method})")
     timer = timing.Timer(dev, flush=opts.flush)
+    ops = {s.op for s in shapes}
+    # the column "vs ..." names each op's reference (torch-sdpa for decode and prefill, torch for MLA)
+    baseline_text = " / ".join(dict.fromkeys(
+        baseline_for(op) + (" (mla)" if op == "mla" and len(ops) > 1 else "") for op in
+        sorted(ops, key=("decode", "prefill", "mla").index))) or BASELINE
     rows: list[dict] = []
     problems: list[dict] = []
 
@@ -205,10 +211,11 @@ def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], conten
             "matmul": matmul.as_dict() if matmul else None,
             "settings": {"reps": opts.reps, "warmup": opts.warmup, "budget_s_per_row": opts.budget_s,
                          "seed": opts.seed, "query_dtype": data.dtype_name(opts.query_dtype),
-                         "cache_flush_bytes": timer.flush_bytes, "baseline": BASELINE,
+                         "cache_flush_bytes": timer.flush_bytes, "baseline": baseline_text,
                          "timer": "CUDA events" if dev.type == "cuda" else "time.perf_counter",
                          "check": check.__doc__.split("What is checked, per problem:")[1].strip(),
-                         "check_prefill": " ".join(prefill.PrefillReference.__doc__.split()) if matmul else None},
+                         "check_prefill": " ".join(prefill.PrefillReference.__doc__.split()) if matmul else None,
+                         "check_mla": " ".join(mla.MlaReference.__doc__.split()) if "mla" in ops else None},
             "contenders": [{"name": c.name, "kind": c.kind, "what": c.what, "ops": sorted(c.ops)} for c in contenders],
             "problems": problems,
             "rows": rows,
@@ -221,14 +228,17 @@ def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], conten
     for shape in shapes:
         for kv in kv_dtypes:
             label = f"{shape.spec} {data.dtype_name(kv)}"
-            pre = shape.op == "prefill"
-            gib = prefill.kv_gib(shape, kv) if pre else data.kv_gib(shape, kv)
+            pre, is_mla = shape.op == "prefill", shape.op == "mla"
+            gib = prefill.kv_gib(shape, kv) if pre else mla.kv_gib(shape, kv) if is_mla else data.kv_gib(shape, kv)
             progress(f"{label}: building data ({gib:.2f} GiB of KV) and the reference")
             p = ref = None
             try:
                 if pre:
                     p = prefill.build(shape, kv, dev, query_dtype=opts.query_dtype, seed=opts.seed)
                     ref = prefill.PrefillReference(p, seed=opts.seed)
+                elif is_mla:
+                    p = mla.build(shape, kv, dev, query_dtype=opts.query_dtype, seed=opts.seed)
+                    ref = mla.MlaReference(p, seed=opts.seed)
                 else:
                     p = data.build(shape, kv, dev, query_dtype=opts.query_dtype, seed=opts.seed)
                     ref = check.Reference(p, seed=opts.seed)
@@ -243,7 +253,7 @@ def run(opts: Options, shapes: list[Shape], kv_dtypes: list[torch.dtype], conten
                 if partial is not None:
                     partial(result(complete=False))
                 continue
-            entry = {
+            entry = mla.describe_problem(p, ref) if is_mla else {
                 "shape": shape.as_dict(), "op": shape.op, "kv_dtype": data.dtype_name(kv),
                 "query_dtype": data.dtype_name(p.query.dtype), "seq_lens": _lens(p.lens),
                 "num_blocks": p.key_cache.shape[0], "k_scale": p.k_scale, "v_scale": p.v_scale,

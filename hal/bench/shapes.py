@@ -6,6 +6,10 @@ and CONTEXT, the first sequence at CONTEXT). ``:bN`` sets the block (page) size,
 
 Prefill (several query tokens per sequence; a SPEC with a ``/``):
 ``GROUP[+GROUP...]/QHEADSxKVHEADSxHEADSIZE[:bN]``, GROUP = ``NxQ[@C]``; see :mod:`hal.bench.prefill`.
+
+MLA decode (``hal.mla_decode``; a SPEC starting ``mla:``):
+``mla:BATCHxCONTEXTxHEADS[:bN][:qT][:ragged][:rR][:pP]``, page 64, one query row, latent R 512 and
+rotary part P 64 unless given; see :mod:`hal.bench.mla`.
 """
 
 from __future__ import annotations
@@ -50,7 +54,11 @@ _SPEC = re.compile(r"^(\d+)x(\d+)x(\d+)x(\d+)x(\d+)((?::[a-z0-9]+)*)$")
 
 def parse(spec: str):
     """A :class:`Shape` from ``64x4096x32x8x128``, ``64x4096x32x8x128:b64``, ``...:ragged``; a
-    :class:`hal.bench.prefill.PrefillShape` from a prefill SPEC (one with a ``/``)."""
+    :class:`hal.bench.prefill.PrefillShape` from a prefill SPEC (one with a ``/``); a
+    :class:`hal.bench.mla.MlaShape` from an MLA SPEC (``mla:64x4096x128``)."""
+    if spec.strip().lower().startswith("mla:"):
+        from hal.bench import mla
+        return mla.parse(spec)
     if "/" in spec:
         from hal.bench import prefill
         return prefill.parse(spec)
@@ -58,7 +66,8 @@ def parse(spec: str):
     if not m:
         raise ValueError(f"shape {spec!r} is not understood: expected BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE"
                          f"[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16, a prefill SPEC (GROUP[+GROUP]/QHEADSxKVHEADSxHEADSIZE, "
-                         f"e.g. 4x1024@8192/32x8x128), or a set name ({', '.join(SETS)})")
+                         f"e.g. 4x1024@8192/32x8x128), an MLA SPEC (mla:BATCHxCONTEXTxHEADS[:bPAGE][:qROWS][:ragged], "
+                         f"e.g. mla:64x4096x128), or a set name ({', '.join(SETS)})")
     batch, context, h, hkv, d = (int(m.group(i)) for i in range(1, 6))
     block, ragged = DEFAULT_BLOCK, False
     for opt in filter(None, m.group(6).split(":")):
@@ -84,6 +93,17 @@ PREFILL = ("8x2048/32x8x128", "4x1024@8192/32x8x128", "64x1@4096+2x1024/32x8x128
 PREFILL_EXTRA = ("8x2048/32x8x64", "8x2048/32x8x256", "8x2048/32x32x128", "8x2048/64x8x128",
                  "4x1024@8192/32x8x128:b64", "64x1@4096+2x1024/32x8x128:b64")
 
+# The MLA issue's shapes (hal.mla_decode, R 512 + P 64, page 64, one query row): batch x context 64x4096,
+# 128x2048, 32x8192, 16x32768, 1x65536 and a ragged batch, each with 128 heads (DeepSeek-V3 on one GPU)
+# and 16 (tensor parallel over 8).
+MLA = tuple(f"mla:{bc}x{h}{opt}" for bc, opt in (("64x4096", ""), ("128x2048", ""), ("32x8192", ""),
+                                                  ("16x32768", ""), ("1x65536", ""), ("64x8192", ":ragged"))
+            for h in (128, 16))
+# Page-16 twins of some of them (same lengths: the draw does not depend on the page size), for the
+# target "page 16 within 5% of page 64".
+MLA_B16 = ("mla:64x4096x128:b16", "mla:64x4096x16:b16", "mla:16x32768x128:b16", "mla:16x32768x16:b16",
+           "mla:64x8192x128:b16:ragged", "mla:64x8192x16:b16:ragged")
+
 SETS: dict[str, tuple[str, ...]] = {
     "issue": ISSUE,
     "sweep": ISSUE + (
@@ -108,6 +128,14 @@ SETS: dict[str, tuple[str, ...]] = {
     # seconds on a CPU: fresh, chunked, mixed (decode + short + long rows), ragged, block 8/32, head 128
     "prefill-tiny": ("2x40/4x2x64", "2x12@50/8x2x64:b8", "3x1@40+1x5@20+1x33/4x2x64", "4x3-30@0-20/4x1x64:b32",
                      "1x24@8/4x2x128"),
+    # MLA decode (hal/bench/mla.py): the MLA issue's shapes at page 64, and page-16 twins
+    "mla": MLA,
+    "mla-b16": MLA_B16,
+    "mla-sweep": MLA + MLA_B16,
+    # seconds on a 2-core CPU: 16 and 128 heads, ragged, two query rows
+    "mla-cpu": ("mla:4x1024x16", "mla:2x2048x128", "mla:8x512x16:ragged", "mla:4x512x16:q2"),
+    # seconds on a CPU: every MLA code path (page 16 and 64, ragged, two query rows per sequence)
+    "mla-tiny": ("mla:2x40x4:b16", "mla:3x100x8:b16:q2:ragged", "mla:2x70x16"),
 }
 
 

@@ -1,12 +1,15 @@
 """hal-bench: time every available hal pack and the baselines side by side, each checked first.
 
-    hal-bench [--shapes issue|sweep|cpu|prefill|prefill-extra|...|SPEC ...] [--kv-dtype bf16,e4m3fn]
+    hal-bench [--shapes issue|sweep|cpu|prefill|prefill-extra|mla|mla-b16|...|SPEC ...] [--kv-dtype bf16,e4m3fn]
               [--device cpu|cuda] [--reps N] [--json PATH] [--plot PATH] [--contenders NAME|GLOB ...]
     hal-bench --dry-run          # tiny decode and prefill shapes, 2 reps: every code path in seconds
 
 A decode SPEC is BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16;
 a prefill SPEC is GROUP[+GROUP...]/QHEADSxKVHEADSxHEADSIZE[:bBLOCK] with GROUP = NxQ[@C] (N sequences
-of Q new tokens over C cached ones; Q and C may be ranges A-B), e.g. 64x1@4096+2x1024/32x8x128.
+of Q new tokens over C cached ones; Q and C may be ranges A-B), e.g. 64x1@4096+2x1024/32x8x128;
+an MLA decode SPEC (hal.mla_decode) is mla:BATCHxCONTEXTxHEADS[:bPAGE][:qROWS][:ragged][:rR][:pP]
+(page 64, one query row per sequence, latent R 512, rotary part P 64 unless given), e.g.
+mla:64x4096x128 or mla:16x32768x16:b16; `--dry-run --shapes mla-tiny` runs every MLA code path.
 See docs/bench.md for what each column means.
 """
 
@@ -18,10 +21,10 @@ import time
 
 import torch
 from rich.console import Console
-from hal.cli import hal_log_to
 
 from hal.bench import contenders as contenders_mod
 from hal.bench import data, report, runner, shapes
+from hal.cli import hal_log_to
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,8 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="shape sets: " + "; ".join(f"{k}: {' '.join(v)}" for k, v in shapes.SETS.items()))
     ap.add_argument("--shapes", nargs="+", metavar="SET|SPEC",
-                    help=f"shape sets ({', '.join(shapes.SETS)}) and/or SPECs; default: issue on a GPU, cpu on the CPU "
-                         f"(with --dry-run: tiny prefill-tiny)")
+                    help=f"shape sets ({', '.join(shapes.SETS)}) and/or SPECs (decode, prefill or mla:...); default: "
+                         f"issue on a GPU, cpu on the CPU (with --dry-run: tiny prefill-tiny)")
     ap.add_argument("--kv-dtype", default="bf16,e4m3fn",
                     help="KV cache dtypes, comma-separated: bf16, fp16, e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, fp8 "
                          "(= this machine's native e4m3); default bf16,e4m3fn")
@@ -49,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-flush", action="store_true", help="do not flush caches between timed calls")
     ap.add_argument("--flashinfer-jit", action="store_true",
-                    help="let FlashInfer compile modules that were not prebuilt (slow; off by default)")
+                    help="let FlashInfer compile modules that were not prebuilt (slow; off by default); also for "
+                         "flashinfer-mla")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes (sets tiny and prefill-tiny unless --shapes), 2 reps, 1 warm-up, 0.5 s per row: "
                          "every contender that can run here, checked and timed, in seconds")
