@@ -7,6 +7,8 @@ for the silicon it runs on.
     hal.cache_kv(k, v, key_cache, value_cache, slot_mapping, k_scale=ks, v_scale=vs)
     out = hal.paged_attention(q, key_cache, value_cache, block_tables, seq_lens, k_scale=ks, v_scale=vs)
     print(hal.explain(q, key_cache, value_cache, block_tables, seq_lens).text())
+    p = hal.plan("paged_attention", q, key_cache, value_cache, block_tables, seq_lens, k_scale=ks, v_scale=vs)
+    out = p.run(q, key_cache, value_cache, k_scale=ks, v_scale=vs)   # per layer: no validation, no dispatch
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from hal.diagnostics import EnvironmentWarning, FallbackWarning, HalWarning, Mis
 from hal.dispatch import Decision, NotSupportedError
 from hal.observer import KVScaleObserver
 from hal.pack import Availability, CallKey, OpSupport, Pack
+from hal.planning import Plan, plan
 from hal.scales import KVScaleError, KVScales, load_kv_scales
 from hal.targets import Target, target
 from hal.validate import ArgumentError
@@ -31,8 +34,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentError", "Availability", "CallKey", "Decision", "EnvironmentWarning", "FallbackWarning",
     "HalWarning", "KVScaleError", "KVScaleObserver", "KVScales", "MissingScaleWarning", "NotSupportedError",
-    "OpSupport", "Pack", "PackLoadWarning", "Target", "cache_kv", "cache_mla", "env", "explain", "fp8",
-    "load_kv_scales", "mla_decode", "packs", "paged_attention", "target",
+    "OpSupport", "Pack", "PackLoadWarning", "Plan", "Target", "cache_kv", "cache_mla", "env", "explain", "fp8",
+    "load_kv_scales", "mla_decode", "packs", "paged_attention", "plan", "target",
 ]
 
 

@@ -170,6 +170,20 @@ class Pack:
             raise NotImplementedError(f"the {self.NAME} pack declares no implementation of {op}")
         return found
 
+    def prepare(self, op: str, call) -> Callable[[dict], None]:
+        """A runner for a plan of ``op`` (:func:`hal.plan`): called once per plan with the planned
+        call record, it returns a function that runs one layer, given that layer's fields of the
+        record (the op's ``per_layer`` names -> tensors and scales, already checked to be laid out
+        like the planned ones). The implementation function may carry a ``prepare`` attribute
+        (call record -> runner, or None for the default) with what it can fix once: the cuda
+        pack's split plan, workspace and launch arguments. The default runs the implementation on
+        the planned record with the layer's fields swapped in (:func:`hal.planning.record_runner`)."""
+        from hal.planning import record_runner
+        impl = self.impl(op)
+        factory = getattr(impl, "prepare", None)
+        runner = factory(call) if factory is not None else None
+        return runner if runner is not None else record_runner(impl, call)
+
 
 @functools.cache
 def _implementation(cls: type, op: str) -> Callable | None:

@@ -6,6 +6,9 @@ both (``ops``); a problem gets a row from every selected contender that serves i
 * ``hal``: the public call with automatic dispatch (``hal.paged_attention``; validation included),
   the note says which pack it picked.
 * ``hal:NAME``: every other pack hal knows (``hal.packs()``), forced with ``pack=NAME``.
+* ``hal-plan``: ``hal.plan(...)`` made once before timing, ``plan.run(...)`` timed (what an engine
+  pays per layer; its host µs beside ``hal``'s is the one-shot call's validation and dispatch saved;
+  ``tools/host_time`` measures that per layer with the GPU idle and with a queue of work).
 * ``emu-torch`` / ``emu-triton``: the emu pack's two paths called directly (no validation, no
   dispatch): ``hal.kernelpacks.emu.torch_path`` / ``.triton_path``.
 * ``torch-sdpa``, ``flashinfer-tc``, ``flashinfer-cc``: the decode baselines (:mod:`hal.bench.baselines`).
@@ -90,6 +93,30 @@ def _hal(pack: str | None):
 
         return Prepared(run, out, note)
     return setup
+
+
+def _hal_plan(p: Problem, opts: dict) -> Prepared:
+    """The plan made here (validation, dispatch, launch planning: not timed); each timed call is one
+    ``plan.run`` with the problem's per-layer tensors."""
+    if p.op == MLA:
+        qn, qp, ckv, kpe, bt, sl = mla_baselines._args(p)
+        kw = mla_baselines._hal_kwargs(p)
+        out = mla_baselines._out(p)
+        plan = hal.plan("mla_decode", qn, qp, ckv, kpe, bt, sl, out=out, **kw)
+        cs, ps = kw["ckv_scale"], kw["kpe_scale"]
+        return Prepared(lambda: plan.run(qn, qp, ckv, kpe, ckv_scale=cs, kpe_scale=ps, out=out), out,
+                        f"plan on {plan.pack}")
+    varlen = {}
+    if p.op == PREFILL:
+        varlen = {"query_start_loc": p.query_start_loc, "max_query_len": p.max_query_len, "causal": True}
+    out = torch.empty_like(p.query)
+    q, kc, vc, ks, vs = p.query, p.key_cache, p.value_cache, p.k_scale, p.v_scale
+    try:
+        plan = hal.plan("paged_attention", q, kc, vc, p.block_tables, p.seq_lens, scale=p.scale, k_scale=ks,
+                        v_scale=vs, max_seq_len=p.max_seq_len, out=out, **varlen)
+    except hal.NotSupportedError as exc:
+        raise Skip(f"cannot serve this call: {str(exc).splitlines()[0]}") from None
+    return Prepared(lambda: plan.run(q, kc, vc, k_scale=ks, v_scale=vs, out=out), out, f"plan on {plan.pack}")
 
 
 def _emu_torch(p: Problem, opts: dict) -> Prepared:
@@ -189,7 +216,9 @@ def baseline_for(op: str) -> str:
 def all_contenders() -> list[Contender]:
     """Every contender this build knows, in display order (packs found at run time)."""
     out = [Contender("hal", "hal", "hal.paged_attention / hal.mla_decode, automatic dispatch", _hal(None),
-                     ops=EVERY_OP)]
+                     ops=EVERY_OP),
+           Contender("hal-plan", "hal", "hal.plan once (not timed), then plan.run per call, automatic dispatch",
+                     _hal_plan, ops=EVERY_OP)]
     for p in hal.packs():
         if p.NAME != "emu":
             out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention / hal.mla_decode(pack={p.NAME!r})",

@@ -23,6 +23,14 @@ fallback (on a GPU whose native pack serves the decode form only, the multi-toke
 ``emu``), each new token runs as its own decode row instead (its length its position + 1, its
 sequence's block table), in groups of ``max_query_rows`` rows: the same causal attention, computed by
 the decode kernel. ``multi_token=True``/``False`` forces one form.
+
+A *planned* step (``begin_step(..., planned=True)``; :meth:`HalRunner.generate` plans every step)
+makes each of those calls a :func:`hal.plan` once per step, on the first layer, and runs it for
+every layer (``Plan.run``: no validation, dispatch or planning per layer); layers whose calls differ
+(a sliding window on some layers, another scale) get a plan each. A step over a
+:class:`StaticStep` (``begin_step(..., static=...)``: one new token per sequence) writes its
+geometry into fixed device buffers and keeps its plans across steps (``max_seq_len`` the buffers'
+capacity), so a CUDA graph captured over one such step replays any later one of the same batch size.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import torch
 import hal
 from hal.fp8 import is_fp8
 
-__all__ = ["BlockAllocator", "CacheFullError", "PagedKVCache", "StepPlan"]
+__all__ = ["BlockAllocator", "CacheFullError", "PagedKVCache", "StaticStep", "StepPlan"]
 
 log = logging.getLogger("hal")
 
@@ -91,6 +99,8 @@ class StepPlan:
     decode: bool                      # one new token per sequence: the decode form
     past: torch.Tensor                # [batch] int64 on the host: context before the step
     _per_token: tuple | None = None   # the per-token decode rows, built on first use
+    planned: bool = False             # the layers run hal plans made once per step (hal.plan), not one-shot calls
+    plans: dict = dataclasses.field(default_factory=dict)  # those plans, by what defines each
 
     def per_token(self, max_query_rows: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
         """The step as decode rows, one per padded row: ``(block_tables [rows, max_blocks],
@@ -109,6 +119,46 @@ class StepPlan:
             dev = self.block_tables.device
             self._per_token = (self.block_tables.repeat_interleave(q, dim=0), lens.to(dev), groups)
         return self._per_token
+
+
+class StaticStep:
+    """Fixed device buffers for decode steps of ``batch`` sequences (one new token each) whose block
+    tables fit ``width`` blocks: what a CUDA graph of the step reads. ``begin_step(..., static=this)``
+    writes each step's token positions, slots, block tables and lengths into them (two host-to-device
+    copies, stream-ordered after the previous replay); the caller writes the token ids into
+    :attr:`ids`. The step's hal plans live here, made once with ``max_seq_len = width * block_size``.
+    """
+
+    def __init__(self, batch: int, width: int, block_size: int, device):
+        self.batch, self.width, self.block_size = batch, width, block_size
+        self.device = torch.device(device)
+        self._i64 = torch.zeros(3 * batch, dtype=torch.int64, device=self.device)
+        self._i32 = torch.zeros(batch * (width + 1) + batch + 1, dtype=torch.int32, device=self.device)
+        self.ids = self._i64[:batch].view(batch, 1)                    # [batch, 1] the new tokens
+        self.position_ids = self._i64[batch:2 * batch].view(batch, 1)
+        self.slot_mapping = self._i64[2 * batch:]
+        self.block_tables = self._i32[:batch * width].view(batch, width)
+        self.seq_lens = self._i32[batch * width:batch * (width + 1)]
+        self.query_start_loc = self._i32[batch * (width + 1):]
+        self.query_start_loc.copy_(torch.arange(batch + 1, dtype=torch.int32))
+        self.plans: dict = {}
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.width * self.block_size
+
+    def write(self, past: torch.Tensor, blocks: list[list[int]]) -> None:
+        """One step's geometry (host values) into the buffers."""
+        bs, w = self.block_size, self.width
+        table = torch.zeros((self.batch, w), dtype=torch.int32)
+        for i, b in enumerate(blocks):
+            if len(b) > w:
+                raise ValueError(f"StaticStep: sequence {i} holds {len(b)} blocks; the buffers take {w}")
+            table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        slots = table.to(torch.int64).gather(1, (past // bs)[:, None])[:, 0] * bs + past % bs
+        i32 = torch.cat([table.reshape(-1), (past + 1).to(torch.int32)])
+        self._i64[self.batch:].copy_(torch.cat([past, slots]))
+        self._i32[:i32.numel()].copy_(i32)
 
 
 class PagedKVCache:
@@ -256,8 +306,11 @@ class PagedKVCache:
         return self.allocator.num_free
 
     # -- one step --------------------------------------------------------------------------------
-    def begin_step(self, seq_ids: list[int], counts: list[int]) -> StepPlan:
-        """Reserve blocks for ``counts[i]`` new tokens of sequence ``seq_ids[i]`` and plan the step."""
+    def begin_step(self, seq_ids: list[int], counts: list[int], *, planned: bool = False,
+                   static: StaticStep | None = None) -> StepPlan:
+        """Reserve blocks for ``counts[i]`` new tokens of sequence ``seq_ids[i]`` and plan the step.
+        ``planned``: every layer runs the step's hal plans (see the module docstring). ``static``:
+        a decode step (every count 1, ``static.batch`` sequences) over those fixed buffers (planned)."""
         if len(seq_ids) != len(counts) or not seq_ids:
             raise ValueError("begin_step: one count per sequence, at least one sequence")
         if len(set(seq_ids)) != len(seq_ids):
@@ -265,11 +318,24 @@ class PagedKVCache:
         if any(c < 0 for c in counts) or max(counts) == 0:
             raise ValueError(f"begin_step: counts must be >= 0 and not all 0; got {counts}")
         bs, q = self.block_size, max(counts)
+        if static is not None and (q != 1 or min(counts) != 1 or len(seq_ids) != static.batch
+                                   or static.block_size != bs or static.device != self.device):
+            raise ValueError(f"begin_step: a static step is a decode step of {static.batch} sequences (one new "
+                             f"token each, block size {static.block_size} on {static.device}); got counts {counts}")
         for sid, c in zip(seq_ids, counts):
             need = math.ceil((self._lens[sid] + c) / bs) - len(self._blocks[sid])
             if need > 0:
                 self._blocks[sid] += self.allocator.allocate(need)
         past = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int64)
+        if static is not None:
+            static.write(past, [self._blocks[s] for s in seq_ids])
+            self.plan = StepPlan(list(seq_ids), list(counts), static.slot_mapping, static.position_ids,
+                                 static.block_tables, static.seq_lens, static.query_start_loc, 1, static.max_seq_len,
+                                 None, True, past, planned=True, plans=static.plans)
+            self.attended = []
+            for s in seq_ids:
+                self._lens[s] += 1
+            return self.plan
         cnt = torch.tensor(counts, dtype=torch.int64)
         width = max(1, max(len(self._blocks[s]) for s in seq_ids))
         table = torch.zeros((len(seq_ids), width), dtype=torch.int32)  # entries past a sequence's end unused
@@ -289,7 +355,8 @@ class PagedKVCache:
             list(seq_ids), list(counts), slots.to(dev),
             torch.where(valid, pos, past[:, None] + cnt[:, None] - 1).clamp_min(0).to(dev),
             table.to(dev), lens.to(torch.int32).to(dev), qsl.to(dev), q, max(1, int(lens.max())),
-            valid.reshape(-1).nonzero().reshape(-1).to(dev) if padded else None, q == 1 and not padded, past)
+            valid.reshape(-1).nonzero().reshape(-1).to(dev) if padded else None, q == 1 and not padded, past,
+            planned=planned)
         self.attended = []
         for s, c in zip(seq_ids, counts):
             self._lens[s] += c
@@ -326,19 +393,33 @@ class PagedKVCache:
         if self.observer is not None:
             sel = plan.rows
             self.observer.observe(layer, k if sel is None else k[sel], v if sel is None else v[sel])
-        hal.cache_kv(k, v, kc, vc, plan.slot_mapping, k_scale=ks, v_scale=vs, pack=self.pack)
+        scales = {"k_scale": ks, "v_scale": vs}
+        if plan.planned:
+            self._run(plan, ("cache_kv", k.dtype, _kind(ks), _kind(vs)), "cache_kv", (k, v, kc, vc),
+                      (plan.slot_mapping,), scales, {"pack": self.pack})
+        else:
+            hal.cache_kv(k, v, kc, vc, plan.slot_mapping, k_scale=ks, v_scale=vs, pack=self.pack)
         qdt = self.query_dtype or query.dtype
         qr = query.transpose(1, 2).reshape(rows, h, d).to(qdt)
         kw = {"scale": scale, "k_scale": ks, "v_scale": vs, "sliding_window": sliding_window,
               "logits_soft_cap": logits_soft_cap, "pack": self.pack}
+        what = ("paged_attention", qdt, h, scale, sliding_window, logits_soft_cap, _kind(ks), _kind(vs))
         if plan.decode:
-            out = hal.paged_attention(qr.contiguous(), kc, vc, plan.block_tables, plan.seq_lens,
-                                      max_seq_len=plan.max_seq_len, **kw)
+            geometry = (plan.block_tables, plan.seq_lens)
+            if plan.planned:
+                out = self._run(plan, what, "paged_attention", (qr.contiguous(), kc, vc), geometry, scales,
+                                {**kw, "max_seq_len": plan.max_seq_len})
+            else:
+                out = hal.paged_attention(qr.contiguous(), kc, vc, *geometry, max_seq_len=plan.max_seq_len, **kw)
         elif self._multi_token_form(layer, qdt, h, sliding_window, logits_soft_cap):
             sel = qr if plan.rows is None else qr[plan.rows]
-            got = hal.paged_attention(sel.contiguous(), kc, vc, plan.block_tables, plan.seq_lens,
-                                      query_start_loc=plan.query_start_loc, max_query_len=plan.max_query_len,
-                                      max_seq_len=plan.max_seq_len, **kw)
+            multi = {"query_start_loc": plan.query_start_loc, "max_query_len": plan.max_query_len,
+                     "max_seq_len": plan.max_seq_len}
+            if plan.planned:
+                got = self._run(plan, what, "paged_attention", (sel.contiguous(), kc, vc),
+                                (plan.block_tables, plan.seq_lens), scales, {**kw, **multi})
+            else:
+                got = hal.paged_attention(sel.contiguous(), kc, vc, plan.block_tables, plan.seq_lens, **multi, **kw)
             if plan.rows is None:
                 out = got
             else:
@@ -348,10 +429,25 @@ class PagedKVCache:
             tables, lens, groups = plan.per_token(self.max_query_rows)
             qr = qr.contiguous()
             out = torch.empty_like(qr)
-            for r0, r1, max_len in groups:
-                hal.paged_attention(qr[r0:r1], kc, vc, tables[r0:r1], lens[r0:r1], max_seq_len=max_len,
-                                    out=out[r0:r1], **kw)
+            for g, (r0, r1, max_len) in enumerate(groups):
+                if plan.planned:
+                    self._run(plan, (*what, "rows", g), "paged_attention", (qr[r0:r1], kc, vc),
+                              (tables[r0:r1], lens[r0:r1]), {**scales, "out": out[r0:r1]},
+                              {**kw, "max_seq_len": max_len})
+                else:
+                    hal.paged_attention(qr[r0:r1], kc, vc, tables[r0:r1], lens[r0:r1], max_seq_len=max_len,
+                                        out=out[r0:r1], **kw)
         return out.view(b, q, h, d).to(query.dtype)
+
+    @staticmethod
+    def _run(plan: StepPlan, what: tuple, op: str, tensors: tuple, geometry: tuple, layer_kw: dict, kw: dict):
+        """One layer's call of ``op`` in a planned step: the step's :func:`hal.plan` for ``what`` (made
+        from this layer's arguments on first use), run with this layer's ``tensors`` and ``layer_kw``
+        (scales, ``out``); ``geometry`` and ``kw`` are the step's, the same for every layer."""
+        p = plan.plans.get(what)
+        if p is None:
+            p = plan.plans[what] = hal.plan(op, *tensors, *geometry, **{**kw, **layer_kw})
+        return p.run(*tensors, **layer_kw)
 
     def end_step(self) -> None:
         """Check that every layer ran attention exactly once in the step (a model whose layers
@@ -363,6 +459,13 @@ class PagedKVCache:
             parts = ([f"layers {_span(missing)} did not run hal's attention"] if missing else []) + \
                     ([f"layers {_span(twice)} ran it more than once"] if twice else [])
             raise ValueError(f"PagedKVCache: in a step over a cache of {self.num_layers} layers, " + " and ".join(parts))
+
+
+def _kind(scale) -> object:
+    """What a plan fixes about a scale: None, a float, or a tensor of some dims."""
+    if scale is None:
+        return None
+    return ("tensor", scale.dim()) if isinstance(scale, torch.Tensor) else float
 
 
 def _span(xs: list[int]) -> str:

@@ -41,7 +41,7 @@ import weakref
 import torch
 
 import hal
-from hal.integrations.paged_cache import PagedKVCache
+from hal.integrations.paged_cache import PagedKVCache, StaticStep
 
 __all__ = ["ATTENTION_NAME", "ROUNDTRIP_NAME", "HalRunner", "RoundTrip", "UnsupportedModel", "calibrate",
            "check_model", "config_reasons", "hal_attention", "model_reasons", "register", "roundtrip_attention",
@@ -302,12 +302,21 @@ class HalRunner:
     multi-token :func:`hal.paged_attention` call per layer for all its sequences (``multi_token``:
     see :class:`PagedKVCache`). A model the runner cannot serve raises :class:`UnsupportedModel`
     here, with the reasons (:func:`check_model`).
+
+    :meth:`generate` plans every step once (:func:`hal.plan`, shared by the layers: ``step(...,
+    planned=True)``); on a GPU (``cuda_graphs``, the default) it captures the decode step in a CUDA
+    graph per batch size and replays it for the later steps of that size (the step's geometry in
+    fixed buffers, :class:`~hal.integrations.paged_cache.StaticStep`). A capture that fails is
+    logged with its reason (also in :attr:`graph_fallback`) and that generation decodes eagerly.
+    :meth:`step` called directly makes one-shot calls unless ``planned=True``.
     """
 
     def __init__(self, model, *, cache_dtype: torch.dtype = torch.bfloat16, scales=None, block_size: int = 16,
                  prefill_chunk: int = 512, query_dtype: torch.dtype | None = None, pack: str | None = None,
-                 max_query_rows: int = 128, multi_token: bool | None = None):
+                 max_query_rows: int = 128, multi_token: bool | None = None, cuda_graphs: bool = True):
         register()
+        self.cuda_graphs = cuda_graphs
+        self.graph_fallback: str | None = None   # why the last generation's decode steps ran without graphs
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.cache_dtype, self.scales, self.block_size = cache_dtype, scales, block_size
@@ -341,25 +350,33 @@ class HalRunner:
 
     @torch.no_grad()
     def step(self, cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]] | torch.Tensor,
-             counts: list[int] | None = None) -> torch.Tensor:
+             counts: list[int] | None = None, *, planned: bool = False) -> torch.Tensor:
         """Append ``tokens`` (``[batch, q]`` right-padded, ``counts`` valid per row) to the sequences
-        and return the last hidden states ``[batch, q, hidden]`` (padding rows hold junk)."""
+        and return the last hidden states ``[batch, q, hidden]`` (padding rows hold junk).
+        ``planned``: the layers share the step's hal plans (one validation and dispatch per step)."""
         ids = tokens if isinstance(tokens, torch.Tensor) else _pad(tokens)
         counts = counts if counts is not None else (
             [len(t) for t in tokens] if not isinstance(tokens, torch.Tensor) else [ids.shape[1]] * ids.shape[0])
-        plan = cache.begin_step(seq_ids, counts)
+        plan = cache.begin_step(seq_ids, counts, planned=planned)
+        hidden = self._decoder(cache, ids.to(self.device), plan.position_ids)
+        self._end_step(cache)
+        return hidden
+
+    def _decoder(self, cache: PagedKVCache, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder over the cache's current step: the last hidden states."""
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         with using(self.model):
             if self.model.config._attn_implementation != ATTENTION_NAME:
                 raise UnsupportedModel(f"hal cannot serve {type(self.model).__name__}: transformers did not set "
                                        f"its attention implementation to {ATTENTION_NAME!r}")
-            out = base(input_ids=ids.to(self.device), position_ids=plan.position_ids, use_cache=False,
-                       hal_cache=cache)
+            out = base(input_ids=ids, position_ids=position_ids, use_cache=False, hal_cache=cache)
+        return out.last_hidden_state
+
+    def _end_step(self, cache: PagedKVCache) -> None:
         try:
             cache.end_step()
         except ValueError as exc:
             raise UnsupportedModel(f"hal cannot serve {type(self.model).__name__}: {exc}") from None
-        return out.last_hidden_state
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -368,9 +385,10 @@ class HalRunner:
         return self._post(_output_embeddings(self.model)(hidden)).float()
 
     @torch.no_grad()
-    def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(self, cache: PagedKVCache, seq_ids: list[int], prompts: list[list[int]], *,
+                planned: bool = False) -> torch.Tensor:
         """Process whole prompts in chunks of ``prefill_chunk`` tokens; logits ``[batch, vocab]`` of
-        each prompt's last token."""
+        each prompt's last token (``planned``: as in :meth:`step`)."""
         last = [None] * len(prompts)
         start = 0
         while True:
@@ -378,7 +396,7 @@ class HalRunner:
             if not rows:
                 break
             chunk = [prompts[i][start:start + self.prefill_chunk] for i in rows]
-            hidden = self.step(cache, [seq_ids[i] for i in rows], chunk)
+            hidden = self.step(cache, [seq_ids[i] for i in rows], chunk, planned=planned)
             for j, i in enumerate(rows):
                 if len(prompts[i]) <= start + self.prefill_chunk:
                     last[i] = hidden[j, len(chunk[j]) - 1]
@@ -390,14 +408,19 @@ class HalRunner:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
                  generator: torch.Generator | None = None) -> list[list[int]]:
         """New tokens for each prompt (token id lists of any lengths). Greedy unless ``do_sample``.
-        A sequence stops at ``eos_token_id`` (int or list) and leaves the batch, freeing its blocks."""
+        A sequence stops at ``eos_token_id`` (int or list) and leaves the batch, freeing its blocks.
+        Every step is planned once for all layers; on a GPU the decode steps replay CUDA graphs
+        (see the class docstring)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         cache = self.new_cache(sum(len(p) for p in prompts) + len(prompts) * max_new_tokens, len(prompts))
         sids = [cache.add_sequence() for _ in prompts]
         out: list[list[int]] = [[] for _ in prompts]
-        logits = self.prefill(cache, sids, prompts)
+        logits = self.prefill(cache, sids, prompts, planned=True)
+        width = -(-(max(len(p) for p in prompts) + max_new_tokens) // cache.block_size)
+        graphs = _DecodeGraphs(self, cache, width) if self._graphs_wanted(cache) else None
+        self.graph_fallback = None
         active = list(range(len(prompts)))
         for _ in range(max_new_tokens):
             nxt = _choose(logits, do_sample, temperature, top_k, top_p, generator).tolist()
@@ -411,9 +434,83 @@ class HalRunner:
             active = still
             if not active:
                 break
-            hidden = self.step(cache, [sids[i] for i in active], [[out[i][-1]] for i in active])
+            tokens = [[out[i][-1]] for i in active]
+            if graphs is not None:
+                hidden = graphs.step([sids[i] for i in active], tokens)
+            else:
+                hidden = self.step(cache, [sids[i] for i in active], tokens, planned=True)
             logits = self.logits(hidden[:, -1])
         return out
+
+    def _graphs_wanted(self, cache: PagedKVCache) -> bool:
+        return self.cuda_graphs and cache.observer is None and _graphs_possible(cache.device)
+
+
+def _graphs_possible(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def _capture(fn, device: torch.device, pool=None):
+    """``(replay, output, graph)``: ``fn()`` captured in a CUDA graph on ``device`` (nothing runs;
+    ``replay()`` runs it again into the same ``output``). The outer stream context restores the
+    caller's stream even when ending a failed capture raises."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.current_stream(device)):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            output = fn()
+    return graph.replay, output, graph
+
+
+class _DecodeGraphs:
+    """One generation's decode steps as CUDA graphs, one per batch size. A batch size's first step
+    runs eagerly through its :class:`StaticStep` (the step itself, and the warm-up that makes the
+    step's hal plans), then is captured; its later steps write their geometry and tokens into the
+    buffers and replay. A failed capture turns graphs off for the generation, with the reason logged."""
+
+    def __init__(self, runner: HalRunner, cache: PagedKVCache, width: int):
+        self.runner, self.cache, self.width = runner, cache, width
+        self.graphs: dict[int, tuple] = {}   # batch -> (static, replay, hidden, layers, graph)
+        self.pool = None
+
+    def step(self, seq_ids: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        runner, cache = self.runner, self.cache
+        if runner.graph_fallback is not None:
+            return runner.step(cache, seq_ids, tokens, planned=True)
+        b = len(seq_ids)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        found = self.graphs.get(b)
+        if found is not None:
+            static, replay, hidden, layers, _ = found
+            cache.begin_step(seq_ids, [1] * b, static=static)
+            static.ids.copy_(ids)
+            replay()
+            cache.attended = list(layers)
+            runner._end_step(cache)
+            return hidden.clone()
+        static = StaticStep(b, self.width, cache.block_size, cache.device)
+        cache.begin_step(seq_ids, [1] * b, static=static)
+        static.ids.copy_(ids)
+        hidden = runner._decoder(cache, static.ids, static.position_ids)
+        runner._end_step(cache)
+        try:
+            cache.attended = []
+            replay, out, graph = _capture(lambda: runner._decoder(cache, static.ids, static.position_ids),
+                                          cache.device, self.pool)
+            layers = list(cache.attended)
+            if sorted(layers) != list(range(cache.num_layers)):
+                raise RuntimeError(f"the captured step attended layers {layers}, not each of the "
+                                   f"{cache.num_layers} layers once")
+        except Exception as exc:  # noqa: BLE001 - any failure: decode eagerly, say why
+            runner.graph_fallback = f"{type(exc).__name__}: {exc}".split("\n")[0][:500]
+            log.warning("hal: capturing the decode step (batch %d) in a CUDA graph failed, so this generation "
+                        "decodes eagerly: %s", b, runner.graph_fallback)
+            return hidden
+        finally:
+            cache.attended = list(range(cache.num_layers))
+        if self.pool is None and hasattr(graph, "pool"):
+            self.pool = graph.pool()
+        self.graphs[b] = (static, replay, out, layers, graph)
+        return hidden
 
 
 @torch.no_grad()

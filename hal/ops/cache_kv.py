@@ -77,4 +77,6 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: None, example=example)
+              fake=fake, result=lambda args: None, example=example,
+              per_layer=("key", "value", "key_cache", "value_cache", "k_scale", "v_scale"),
+              scale_args=("k_scale", "v_scale"))

@@ -88,4 +88,6 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: None, example=example)
+              fake=fake, result=lambda args: None, example=example,
+              per_layer=("kv_c", "k_pe", "ckv_cache", "kpe_cache", "ckv_scale", "kpe_scale"),
+              scale_args=("ckv_scale", "kpe_scale"))

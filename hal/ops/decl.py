@@ -23,6 +23,12 @@ class OpDecl:
     finish: Callable[[object, tuple], None] = lambda call, args: None  # after the pack ran (e.g. copy out back)
     reference: Callable[[object], object] | None = None  # float64 result of a call record
     example: Callable[[object], dict] | None = None      # a typical call's keywords for a target (probe smoke test)
+    # Planning (hal.plan): the public keywords that change from layer to layer under one plan, in the
+    # order ``Plan.run`` takes them (tensors first, positional; then scales and ``out``, keywords).
+    # Each is also the name of its field in the call record. ``scale_args``: which of them are
+    # scales (a float or a float32 tensor); ``out`` (if listed) is the output, allocated when None.
+    per_layer: tuple[str, ...] = ()
+    scale_args: tuple[str, ...] = ()
 
     @property
     def pack_arg(self) -> int:

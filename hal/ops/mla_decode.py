@@ -193,4 +193,6 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example)
+              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example,
+              per_layer=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "ckv_scale", "kpe_scale", "out"),
+              scale_args=("ckv_scale", "kpe_scale"))

@@ -228,4 +228,6 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example)
+              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example,
+              per_layer=("query", "key_cache", "value_cache", "k_scale", "v_scale", "out"),
+              scale_args=("k_scale", "v_scale"))

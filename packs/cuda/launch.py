@@ -33,7 +33,7 @@ def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device
     """(partition_size, num_parts, warp_rows) for a call, from this GPU's tuning entry (see
     tuning.split and tuning.warp_rows). ``one_tile``: a CTA serves one 8-head MMA tile (warp rows
     need it)."""
-    sms, arch = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    sms, arch = _device_facts(_device_index(device))
     params = tuning_for(arch, shape_class(cache_dtype, max_len))
     rows = num_seqs * num_kv_heads * head_tiles
     size, parts = split(rows, max_len, sms, params)
@@ -59,12 +59,14 @@ def _scale(s) -> tuple[float, int, int]:
     return float(s), 0, 0
 
 
-def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                    alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
+def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                          alibi_slopes, logits_soft_cap, sliding_window, max_seq_len):
+    """``(arguments of _C.paged_attention but the stream, workspace tensors)`` of one decode launch,
+    or None for an empty batch. The one-shot call and a plan build their launches here."""
     n, h, d = query.shape
     _, hkv, bs, _ = key_cache.shape
     if n == 0:
-        return
+        return None
     dev = query.device
     head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
     max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
@@ -72,37 +74,54 @@ def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     if parts > 1:
         part_out = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
         part_ml = torch.empty((n, h, parts, 2), dtype=torch.float32, device=dev)
+        workspace = (part_out, part_ml)
         ws = (part_out.data_ptr(), part_ml.data_ptr())
     else:
-        ws = (0, 0)
+        workspace, ws = (), (0, 0)
     ks, ksp, kss = _scale(k_scale)
     vs, vsp, vss = _scale(v_scale)
     elem = key_cache.element_size()
-    guard, stream = _on(dev)
+    args = [
+        KINDS[key_cache.dtype], d, out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        0 if alibi_slopes is None else alibi_slopes.data_ptr(), ksp, vsp, *ws,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0) * elem,
+        value_cache.stride(0) * elem, block_tables.stride(0), scale, ks, vs,
+        0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss, n, h, hkv, head_tiles, bs,
+        size, parts, 0 if sliding_window is None else sliding_window, int(query.dtype == torch.bfloat16),
+        int(wrows)]
+    return args, workspace
+
+
+def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
+    built = _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
+                                  v_scale, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len)
+    if built is None:
+        return
+    args, _workspace = built  # the workspace lives until the launch is queued (stream-ordered reuse)
+    guard, stream = _on(query.device)
     with guard:
-        _C.paged_attention(
-            KINDS[key_cache.dtype], d, out.data_ptr(), query.data_ptr(), key_cache.data_ptr(),
-            value_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-            0 if alibi_slopes is None else alibi_slopes.data_ptr(), ksp, vsp, *ws,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0) * elem,
-            value_cache.stride(0) * elem, block_tables.stride(0), scale, ks, vs,
-            0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss, n, h, hkv, head_tiles, bs,
-            size, parts, 0 if sliding_window is None else sliding_window, int(query.dtype == torch.bfloat16),
-            int(wrows), stream)
+        _C.paged_attention(*args, stream)
 
 
-def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+def _cache_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> list:
+    """The arguments of _C.cache_kv but the stream (the one-shot call and a plan build them here)."""
     nb, hkv, bs, d = key_cache.shape
     ks, ksp, kss = _scale(k_scale)
     vs, vsp, vss = _scale(v_scale)
     elem = key_cache.element_size()
-    dev = key.device
-    guard, stream = _on(dev)
+    return [KINDS[key_cache.dtype], INPUTS[key.dtype], key.data_ptr(), value.data_ptr(), key_cache.data_ptr(),
+            value_cache.data_ptr(), slot_mapping.data_ptr(), ksp, vsp, key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), key_cache.stride(0) * elem, value_cache.stride(0) * elem, ks, vs, kss,
+            vss, key.shape[0], hkv, d, bs, nb]
+
+
+def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    args = _cache_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    guard, stream = _on(key.device)
     with guard:
-        _C.cache_kv(KINDS[key_cache.dtype], INPUTS[key.dtype], key.data_ptr(), value.data_ptr(),
-                    key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(), ksp, vsp,
-                    key.stride(0), key.stride(1), value.stride(0), value.stride(1), key_cache.stride(0) * elem,
-                    value_cache.stride(0) * elem, ks, vs, kss, vss, key.shape[0], hkv, d, bs, nb, stream)
+        _C.cache_kv(*args, stream)
 
 
 def paged_attention(call) -> None:
@@ -137,40 +156,52 @@ def _cache_strides(c: torch.Tensor, name: str) -> tuple[int, int]:
 MLA_ROW_GROUPS = ((16, 1), (32, 2))  # rows a sequence -> MMA row groups a CTA (else 4: 64 rows)
 
 
-def mla_decode(call) -> None:
-    """Run a validated :class:`hal.call.MLACall` (R = 512, P = 64: the pack's declaration)."""
+def _mla_decode_args(call, q_nope, q_pe, out):
+    """``(arguments of _C.mla_decode but the stream, workspace tensors)`` for the record ``call``
+    with these (16-byte aligned) query and output tensors, or None when there is nothing to run."""
     total_q, h, r = call.q_nope.shape
     n = call.seq_lens.shape[0]
     if total_q == 0 or n == 0:
-        return
+        return None
     dev = call.q_nope.device
     rows = call.max_query_len * h
     groups = next((g for limit, g in MLA_ROW_GROUPS if rows <= limit), 4)
     row_tiles = -(-rows // (16 * groups))
-    sms, _ = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())
+    sms, _ = _device_facts(_device_index(dev))
     size, parts = mla_split(n * row_tiles, call.max_seq_len, sms)
     if parts > 1:
         part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
         part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
+        workspace = (part_out, part_ml)
         ws = (part_out.data_ptr(), part_ml.data_ptr())
     else:
-        ws = (0, 0)
-    qn, qp = _rows16(call.q_nope, "q_nope"), _rows16(call.q_pe, "q_pe")
-    out = call.out if _rows16(call.out, "out") is call.out else torch.empty_like(call.q_nope)
+        workspace, ws = (), (0, 0)
     cbs, cts = _cache_strides(call.ckv_cache, "ckv_cache")
     pbs, pts = _cache_strides(call.kpe_cache, "kpe_cache")
     cs, csp, _ = _scale(call.ckv_scale)
     ps, psp, _ = _scale(call.kpe_scale)
     qsl = call.query_start_loc
-    guard, stream = _on(dev)
+    args = [
+        KINDS[call.ckv_cache.dtype], groups, out.data_ptr(), q_nope.data_ptr(), q_pe.data_ptr(),
+        call.ckv_cache.data_ptr(), call.kpe_cache.data_ptr(), call.block_tables.data_ptr(),
+        call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, q_nope.stride(0),
+        q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts,
+        call.block_tables.stride(0), call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts,
+        row_tiles, int(q_nope.dtype == torch.bfloat16)]
+    return args, workspace
+
+
+def mla_decode(call) -> None:
+    """Run a validated :class:`hal.call.MLACall` (R = 512, P = 64: the pack's declaration)."""
+    qn, qp = _rows16(call.q_nope, "q_nope"), _rows16(call.q_pe, "q_pe")
+    out = call.out if _rows16(call.out, "out") is call.out else torch.empty_like(call.q_nope)
+    built = _mla_decode_args(call, qn, qp, out)
+    if built is None:
+        return
+    args, _workspace = built
+    guard, stream = _on(call.q_nope.device)
     with guard:
-        _C.mla_decode(
-            KINDS[call.ckv_cache.dtype], groups, out.data_ptr(), qn.data_ptr(), qp.data_ptr(),
-            call.ckv_cache.data_ptr(), call.kpe_cache.data_ptr(), call.block_tables.data_ptr(),
-            call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, qn.stride(0), qn.stride(1),
-            qp.stride(0), qp.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts, call.block_tables.stride(0),
-            call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts, row_tiles,
-            int(qn.dtype == torch.bfloat16), stream)
+        _C.mla_decode(*args, stream)
     if out is not call.out:
         call.out.copy_(out)
 
@@ -186,3 +217,96 @@ def cache_mla(call) -> None:
             _C.cache_rows(KINDS[cache.dtype], INPUTS[src.dtype], src.data_ptr(), cache.data_ptr(),
                           call.slot_mapping.data_ptr(), sp, src.stride(0), cache.stride(0) * e, cache.stride(1) * e,
                           value, src.shape[0], src.shape[1], bs, nb, stream)
+
+
+# --- plans (hal.plan): the launch built once, a layer's pointers filled in per run ------------------
+# Where each per-layer field of the call record goes in a launch's argument list: tensors as data
+# pointers; scales as (pointer slot, value slot): a tensor scale fills the first, a float the second.
+_PAGED_ATTENTION_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5},
+                          {"k_scale": (9, 21), "v_scale": (10, 22)})
+_CACHE_KV_SLOTS = ({"key": 2, "value": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (7, 15), "v_scale": (8, 16)})
+_MLA_DECODE_SLOTS = ({"out": 2, "q_nope": 3, "q_pe": 4, "ckv_cache": 5, "kpe_cache": 6},
+                     {"ckv_scale": (10, 26), "kpe_scale": (11, 27)})
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _prepared(fn, args: list, call, slots, device: torch.device, keep: tuple):
+    """A plan's runner: ``fn(*args, stream)`` with the layer's pointers (and float scales) put into
+    their slots of ``args``, the stream read at run time (a CUDA graph captures on its own stream).
+    ``keep`` (the workspace, the geometry tensors) lives as long as the runner."""
+    tensors, scales = slots
+    tslots = tuple(tensors.items())
+    # a scale planned as a tensor fills its pointer slot, a float its value slot (the kind is planned)
+    ptr_scales = tuple((n, p) for n, (p, _) in scales.items() if isinstance(getattr(call, n), torch.Tensor))
+    float_scales = tuple((n, v) for n, (_, v) in scales.items() if not isinstance(getattr(call, n), torch.Tensor))
+    index = _device_index(device)
+    launch = _launcher(fn, index)
+
+    def run(fields: dict) -> None:
+        a = list(args)
+        for name, i in tslots:
+            a[i] = fields[name].data_ptr()
+        for name, i in ptr_scales:
+            a[i] = fields[name].data_ptr()
+        for name, i in float_scales:
+            a[i] = fields[name]
+        launch(a)
+    run.keep = keep
+    return run
+
+
+def _launcher(fn, index: int):
+    """``launch(args)``: ``fn(*args, stream)`` on device ``index`` and its current stream, switching
+    devices only when needed (the cheap reads of :func:`_on`)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    current = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+    def launch(a: list) -> None:
+        if current() == index:
+            a.append(raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream)
+            fn(*a)
+            return
+        with torch.cuda.device(index):
+            a.append(raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream)
+            fn(*a)
+    return launch
+
+
+def _prepare_paged_attention(call):
+    """A plan of paged attention: the split of the context, the workspace (allocated once, reused
+    by every layer of the plan, in stream order) and the launch arguments, from the planned record."""
+    built = _paged_attention_args(call.out, call.query, call.key_cache, call.value_cache, call.block_tables,
+                                  call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes,
+                                  call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+    if built is None:
+        return lambda fields: None
+    args, workspace = built
+    return _prepared(_C.paged_attention, args, call, _PAGED_ATTENTION_SLOTS, call.query.device,
+                     (workspace, call.block_tables, call.seq_lens, call.alibi_slopes))
+
+
+def _prepare_cache_kv(call):
+    args = _cache_kv_args(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale,
+                          call.v_scale)
+    return _prepared(_C.cache_kv, args, call, _CACHE_KV_SLOTS, call.key.device, (call.slot_mapping,))
+
+
+def _prepare_mla_decode(call):
+    """As :func:`_prepare_paged_attention`; a plan whose query or output rows are not 16-byte aligned
+    (copied by the one-shot call) takes the default runner instead (None)."""
+    if any(_rows16(t, "") is not t for t in (call.q_nope, call.q_pe, call.out)):
+        return None
+    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out)
+    if built is None:
+        return lambda fields: None
+    args, workspace = built
+    return _prepared(_C.mla_decode, args, call, _MLA_DECODE_SLOTS, call.q_nope.device,
+                     (workspace, call.block_tables, call.seq_lens, call.query_start_loc))
+
+
+paged_attention.prepare = _prepare_paged_attention
+cache_kv.prepare = _prepare_cache_kv
+mla_decode.prepare = _prepare_mla_decode

@@ -1,4 +1,6 @@
-"""The emu pack's PyTorch path for MLA decode (multi-head latent attention, absorbed form; any device).
+"""The emu pack's PyTorch path for MLA decode (multi-head latent attention, absorbed form) and the
+MLA cache write, on any device. routing.py sends ``mla_decode`` on GPU tensors to :mod:`triton_mla`
+where Triton is usable; this path serves the CPU, GPUs without triton, and ``cache_mla`` everywhere.
 
 Contract (docs: shared design.md, "MLA decode over an FP8 latent cache"): every query head attends
 to one shared latent ``c_j`` (``ckv_cache`` [num_blocks, block_size, R], also the value) and rotary
