@@ -94,12 +94,14 @@ def test_missing_fp8_scale_warns(case):
         hal.mla_decode(**kw)
 
 
-def test_packs_without_mla_are_passed_over_with_the_reason(case, monkeypatch):
-    """On an AMD target the native pack declares no MLA yet: emu serves it, and rocm's reason says why."""
+def test_rocm_declares_mla_and_cpu_tensors_go_to_emu(case, monkeypatch):
+    """On an AMD target the rocm pack declares MLA (tests/test_rocm_mla.py proves it): CPU tensors go to
+    emu, and rocm's reasons are the call's facts (device, encoding), not a missing op."""
     monkeypatch.setenv("HAL_TARGET", "gfx942")
     d = hal.explain(op="mla_decode", **_kw(case))
     assert d.pack.NAME == "emu"
-    assert hal.registry.by_name("rocm").reasons(d.key, d.target) == ["op mla_decode is not implemented by the rocm pack"]
+    why = hal.registry.by_name("rocm").reasons(d.key, d.target)
+    assert why[0] == "tensors are on cpu; this pack runs on cuda" and not any("not implemented" in r for r in why)
 
 
 def test_cuda_mla_declaration_names_what_it_does_not_serve(monkeypatch):

@@ -30,7 +30,12 @@ except ImportError:  # run as a script by CMake
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 SOURCE = "kernels.hip"
-CODE_OBJECT = "hal_rocm.hsaco"
+CODE_OBJECT = kernels.CODE_OBJECT
+MLA_SOURCE = "mla_kernels.hip"
+MLA_CODE_OBJECT = kernels.MLA_CODE_OBJECT
+# Each code object of an arch: its source and the kernels it must define. Two, because their occupancy
+# designs differ (4 waves per SIMD for paged decode, 2 for the MLA decode kernels: docs/rocm.md).
+UNITS = ((SOURCE, CODE_OBJECT, kernels.kernel_names), (MLA_SOURCE, MLA_CODE_OBJECT, kernels.mla_kernel_names))
 INSTALL_DIR = "codeobjects"  # next to this file in the installed package: codeobjects/<arch>/hal_rocm.hsaco
 BUILD_INFO = "build_info.json"
 # clang++ names searched in order after ROCm's; the first one whose AMDGPU target works is used.
@@ -101,9 +106,9 @@ def arch_support(clang: str, arch: str) -> str | None:
     return lines[0].split("error: ", 1)[-1].strip()
 
 
-def device_command(clang: str, arch: str, out: pathlib.Path, csrc=CSRC) -> list[str]:
+def device_command(clang: str, arch: str, out: pathlib.Path, csrc=CSRC, source: str = SOURCE) -> list[str]:
     csrc = pathlib.Path(csrc)
-    return [clang, *DEVICE_FLAGS, f"--offload-arch={arch}", f"-I{csrc}", "-c", str(csrc / SOURCE), "-o", str(out)]
+    return [clang, *DEVICE_FLAGS, f"--offload-arch={arch}", f"-I{csrc}", "-c", str(csrc / source), "-o", str(out)]
 
 
 def parse_remarks(text: str) -> dict[str, dict[str, str]]:
@@ -141,39 +146,46 @@ def build_code_objects(out_dir, archs=None, clang: str | None = None, log=print,
                 log(f"hal rocm: {arch} not built: {why}")
                 continue
             raise BuildError(f"{path} cannot compile for {arch}: {why}")
-        target = out_dir / arch / CODE_OBJECT
-        target.parent.mkdir(parents=True, exist_ok=True)
-        res = _run(device_command(path, arch, target, csrc))
-        if res.returncode != 0:
-            raise BuildError(f"compiling {SOURCE} for {arch} failed:\n{res.stderr[-4000:]}")
-        co = codeobj.read(target)
-        remarks = parse_remarks(res.stderr)
-        expected = kernels.kernel_names(arch)
-        if sorted(co.kernels) != expected:
-            missing, extra = set(expected) - set(co.kernels), set(co.kernels) - set(expected)
-            raise BuildError(f"{arch}: code object kernels differ from kernels.py: missing {sorted(missing)}, "
-                             f"unexpected {sorted(extra)}")
-        info["archs"][arch] = {
-            "code_object": f"{arch}/{CODE_OBJECT}", "target": co.target, "bytes": target.stat().st_size,
-            "kernels": {name: {**k.resources(), "compiler_occupancy": int(remarks.get(name, {}).get("Occupancy", -1))}
-                        for name, k in sorted(co.kernels.items())},
-        }
-        log(f"hal rocm: {arch}: {len(co.kernels)} kernels -> {target}")
+        entry = {"code_object": f"{arch}/{CODE_OBJECT}", "code_objects": {}, "kernels": {}}
+        for source, name, names_for in UNITS:
+            target = out_dir / arch / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            res = _run(device_command(path, arch, target, csrc, source))
+            if res.returncode != 0:
+                raise BuildError(f"compiling {source} for {arch} failed:\n{res.stderr[-4000:]}")
+            co = codeobj.read(target)
+            remarks = parse_remarks(res.stderr)
+            expected = names_for(arch)
+            if sorted(co.kernels) != expected:
+                missing, extra = set(expected) - set(co.kernels), set(co.kernels) - set(expected)
+                raise BuildError(f"{arch} {name}: code object kernels differ from kernels.py: missing "
+                                 f"{sorted(missing)}, unexpected {sorted(extra)}")
+            if name == CODE_OBJECT:
+                entry.update(target=co.target, bytes=target.stat().st_size)
+            entry["code_objects"][name] = {"source": source, "bytes": target.stat().st_size}
+            entry["kernels"].update(
+                {k: {**kern.resources(), "compiler_occupancy": int(remarks.get(k, {}).get("Occupancy", -1))}
+                 for k, kern in sorted(co.kernels.items())})
+            log(f"hal rocm: {arch}: {len(co.kernels)} kernels -> {target}")
+        info["archs"][arch] = entry
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
     return info
 
 
-def emulation_library(out_dir, fnuz_hw: bool, clang: str | None = None, csrc=CSRC) -> pathlib.Path:
+def emulation_library(out_dir, fnuz_hw: bool, clang: str | None = None, csrc=CSRC,
+                      source: str = SOURCE) -> pathlib.Path:
     """Compile the same kernel sources for the host against csrc/wave64_host.h. ``fnuz_hw``: emulate gfx942
-    (hardware fnuz FP8 conversions) rather than gfx90a (software FP8)."""
+    (hardware fnuz FP8 conversions) rather than gfx90a (software FP8). ``source``: the code object's
+    source (``SOURCE``, or ``MLA_SOURCE`` for the MLA kernels: one library per code object)."""
     path, how = find_clang(clang)
     host = path or shutil.which("clang++")
     if host is None:
         raise BuildError(how)
-    out = pathlib.Path(out_dir) / f"libhal_rocm_emu_{'gfx942' if fnuz_hw else 'gfx90a'}.so"
+    unit = "" if source == SOURCE else "_" + pathlib.Path(source).stem
+    out = pathlib.Path(out_dir) / f"libhal_rocm{unit}_emu_{'gfx942' if fnuz_hw else 'gfx90a'}.so"
     out.parent.mkdir(parents=True, exist_ok=True)
     csrc = pathlib.Path(csrc)
-    cmd = [host, *HOST_FLAGS, f"-DHAL_WAVE64_FNUZ_HW={int(fnuz_hw)}", f"-I{csrc}", str(csrc / SOURCE),
+    cmd = [host, *HOST_FLAGS, f"-DHAL_WAVE64_FNUZ_HW={int(fnuz_hw)}", f"-I{csrc}", str(csrc / source),
            str(csrc / "wave64_host.cpp"), "-o", str(out)]
     res = _run(cmd)
     if res.returncode != 0:

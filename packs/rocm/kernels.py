@@ -20,6 +20,8 @@ FNUZ = ("e4m3fnuz", "e5m2fnuz")
 OCP = ("e4m3fn", "e5m2")
 THREADS = 256                                     # every kernel: one workgroup of 4 wave64s
 CHUNK = 256                                       # tokens per decode step; partition sizes are multiples
+CODE_OBJECT = "hal_rocm.hsaco"                    # csrc/kernels.hip: paged decode, reduce, cache_kv
+MLA_CODE_OBJECT = "hal_rocm_mla.hsaco"            # csrc/mla_kernels.hip: MLA decode, its merge, cache_mla
 
 # Archs whose hardware converts FP8, and the encodings it converts. Only those are built there: an
 # OCP cache on gfx942 is refused by the declaration (convert it), never fed to the fnuz instructions.
@@ -54,11 +56,44 @@ def kernel_names(arch: str) -> list[str]:
     return sorted(names)
 
 
+# The MLA code object (csrc/mla_kernels.hip -> hal_rocm_mla.hsaco): its decode kernels are designed for
+# 2 waves per SIMD, so they live apart from hal_rocm.hsaco's 4-wave kernels (docs/rocm.md, "MLA decode").
+MLA_ROWS = (16, 32)                               # rows (query token x head pairs) per decode workgroup
+MLA_STEP = 16                                     # tokens per decode step; MLA partition sizes are multiples
+MLA_FAMILIES = ("mla_decode", "mla_reduce", "cache_rows")
+
+
+def mla_decode_name(query: str, latent: str, rows: int) -> str:
+    return f"hal_mla_decode_{query}_{latent}_r{rows}"
+
+
+def mla_reduce_name(out: str) -> str:
+    return f"hal_mla_reduce_{out}"
+
+
+def cache_rows_name(inp: str, cache: str) -> str:
+    return f"hal_cache_rows_{inp}_{cache}"
+
+
+def mla_kernel_names(arch: str) -> list[str]:
+    """Every kernel the MLA code object for ``arch`` must define."""
+    latents = [("f16", "f16"), ("bf16", "bf16")] + [(q, e) for e in fp8_encodings(arch) for q in QUERY_TYPES]
+    names = [mla_decode_name(q, c, rows) for q, c in latents for rows in MLA_ROWS]
+    names += [mla_reduce_name(o) for o in QUERY_TYPES]
+    names += [cache_rows_name(i, c) for c in ("f16", "bf16", *fp8_encodings(arch)) for i in INPUT_TYPES]
+    return sorted(names)
+
+
 def family(kernel: str) -> str:
-    for fam in ("pa_decode", "pa_reduce", "cache_kv"):
+    for fam in ("pa_decode", "pa_reduce", "cache_kv", *MLA_FAMILIES):
         if kernel.startswith(f"hal_{fam}_"):
             return fam
     raise ValueError(f"{kernel!r} is not a rocm pack kernel")
+
+
+def code_object(kernel: str) -> str:
+    """The file (in an arch's folder) whose code object defines ``kernel``."""
+    return MLA_CODE_OBJECT if family(kernel) in MLA_FAMILIES else CODE_OBJECT
 
 
 # (name, kind) in parameter order. ptr: 8-byte global pointer; i64 / i32 / f32: by value.
@@ -88,6 +123,26 @@ PARAMS: dict[str, tuple[tuple[str, str], ...]] = {
         ("k_scale_val", "f32"), ("v_scale_val", "f32"),
         ("num_kv_heads", "i32"), ("head_size", "i32"), ("block_size", "i32"),
         ("k_scale_stride", "i32"), ("v_scale_stride", "i32"),
+    ),
+    "mla_decode": (
+        ("out", "ptr"), ("tmp_out", "ptr"), ("part_ml", "ptr"), ("q_nope", "ptr"), ("q_pe", "ptr"),
+        ("ckv_cache", "ptr"), ("kpe_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
+        ("query_start_loc", "ptr"), ("ckv_scale_ptr", "ptr"), ("kpe_scale_ptr", "ptr"),
+        ("qn_stride_tok", "i64"), ("qn_stride_head", "i64"), ("qp_stride_tok", "i64"), ("qp_stride_head", "i64"),
+        ("o_stride_tok", "i64"), ("o_stride_head", "i64"), ("ckv_block_stride", "i64"), ("ckv_token_stride", "i64"),
+        ("kpe_block_stride", "i64"), ("kpe_token_stride", "i64"), ("bt_stride", "i64"),
+        ("scale", "f32"), ("ckv_scale_val", "f32"), ("kpe_scale_val", "f32"),
+        ("num_heads", "i32"), ("block_size_log2", "i32"), ("partition_size", "i32"), ("num_parts", "i32"),
+    ),
+    "mla_reduce": (
+        ("out", "ptr"), ("tmp_out", "ptr"), ("part_ml", "ptr"), ("ckv_scale_ptr", "ptr"),
+        ("o_stride_tok", "i64"), ("o_stride_head", "i64"), ("ckv_scale_val", "f32"),
+        ("num_heads", "i32"), ("num_parts", "i32"),
+    ),
+    "cache_rows": (
+        ("src", "ptr"), ("cache", "ptr"), ("slot_mapping", "ptr"), ("scale_ptr", "ptr"),
+        ("src_stride", "i64"), ("block_stride", "i64"), ("token_stride", "i64"), ("num_slots", "i64"),
+        ("scale_val", "f32"), ("width", "i32"), ("block_size", "i32"),
     ),
 }
 

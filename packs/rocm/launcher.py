@@ -102,16 +102,22 @@ def device_arch(device: torch.device) -> str:
 
 
 class HipBackend:
-    """An :mod:`ops` backend on AMD GPUs: one loaded module per device, functions cached by name."""
+    """An :mod:`ops` backend on AMD GPUs: each code object loaded once per device (the kernel's
+    :func:`kernels.code_object` names which; it lies next to ``code_objects[arch]``), functions cached
+    by name."""
 
     def __init__(self, runtime: HipRuntime, code_objects: dict[str, pathlib.Path]):
         self.runtime, self.code_objects = runtime, code_objects
         self._functions: dict[tuple[int, str], int] = {}
-        self._modules: dict[int, int] = {}
+        self._modules: dict[tuple[int, str], int] = {}
         self._lock = threading.Lock()
 
     def arch(self, device: torch.device) -> str:
         return device_arch(device)
+
+    def compute_units(self, device: torch.device) -> int:
+        """CUs of the device (a host query: no device work), for the MLA split-K plan."""
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def _function(self, device: torch.device, name: str) -> int:
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -119,14 +125,18 @@ class HipBackend:
         fn = self._functions.get(key)
         if fn is not None:
             return fn
+        file = kernels.code_object(name)
         with self._lock, torch.cuda.device(index):
-            if index not in self._modules:
+            if (index, file) not in self._modules:
                 arch = self.arch(torch.device("cuda", index))
                 if arch not in self.code_objects:
                     raise RuntimeError(f"rocm pack: no code object for {arch} (built for "
                                        f"{', '.join(sorted(self.code_objects)) or 'nothing'})")
-                self._modules[index] = self.runtime.load_module(self.code_objects[arch].read_bytes())
-            fn = self.runtime.get_function(self._modules[index], name)
+                path = self.code_objects[arch].with_name(file)
+                if not path.exists():
+                    raise RuntimeError(f"rocm pack: {path} is missing (this build predates it; rebuild the pack)")
+                self._modules[(index, file)] = self.runtime.load_module(path.read_bytes())
+            fn = self.runtime.get_function(self._modules[(index, file)], name)
             self._functions[key] = fn
         return fn
 

@@ -1,5 +1,6 @@
-"""The ``rocm`` pack: native HIP paged decode attention for AMD Instinct gfx90a (MI200) and gfx942
-(MI300), on MFMA 16x16x16, loaded at run time through the HIP runtime a ROCm build of torch ships.
+"""The ``rocm`` pack: native HIP paged decode attention and MLA decode (with their cache writes) for AMD
+Instinct gfx90a (MI200) and gfx942 (MI300), on MFMA 16x16x16, loaded at run time through the HIP runtime a
+ROCm build of torch ships.
 
 What it serves depends on the arch, as data (:func:`supports_for`): gfx942 converts e4m3fnuz and
 e5m2fnuz in hardware and is declared for those; an OCP (e4m3fn / e5m2) cache there is refused with how
@@ -29,8 +30,14 @@ DEFAULT_ARCH = "gfx942"                                      # ``SUPPORTS``, and
 HALF = frozenset({torch.float16, torch.bfloat16})
 BLOCK_SIZES = tuple(2 ** i for i in range(9))               # 1 .. 256: a token-level block lookup
 CACHE_KV_HEAD_SIZES = tuple(range(4, 513, 4))                # cache_kv writes groups of 4 elements
-OCCUPANCY_DESIGN = ("every kernel keeps >= 4 waves per SIMD (4 workgroups of 4 wave64s per CU): <= 128 "
-                    "VGPRs+AGPRs per lane, <= 16 KiB LDS per workgroup, no scratch")
+MLA_LATENT = (512,)                                          # R: the MLA kernels are built for DeepSeek's shape
+MLA_ROPE = (64,)                                             # P
+CACHE_MLA_WIDTHS = tuple(range(4, 1025, 4))                  # cache_mla writes rows in groups of 4 elements
+CACHE_MLA_BLOCK_SIZES = tuple(range(1, 257))                 # the writer divides slots by any block size
+OCCUPANCY_DESIGN = ("hal_rocm.hsaco: every kernel keeps >= 4 waves per SIMD (4 workgroups of 4 wave64s per CU): "
+                    "<= 128 VGPRs+AGPRs per lane, <= 16 KiB LDS per workgroup, no scratch; hal_rocm_mla.hsaco: "
+                    "the MLA decode kernels keep >= 2 (an O tile in registers and a 16-token K/V tile in LDS: <= "
+                    "256 VGPRs+AGPRs, <= 32 KiB LDS), its merge and cache_mla writer >= 4; no scratch")
 
 _FN_ON_GFX942 = (
     "cache dtype float8_e4m3fn is OCP FP8, and gfx942 (MI300) converts e4m3fnuz in hardware: the rocm pack "
@@ -69,6 +76,14 @@ def supports_for(arch: str) -> dict[str, OpSupport]:
                                      max_gqa_ratio=None, **common),
         "cache_kv": OpSupport(query_dtypes=HALF | {torch.float32}, head_sizes=CACHE_KV_HEAD_SIZES,
                               features=frozenset({"per_head_scales"}), **common),
+        # R 512, P 64; any head count and query tokens a sequence (rows = tokens x heads, 16 or 32 a
+        # workgroup); the rotary part in the query's dtype (reasons() says so), latent rows 16-byte aligned
+        "mla_decode": OpSupport(query_dtypes=HALF, head_sizes=MLA_LATENT, rope_dims=MLA_ROPE,
+                                features=frozenset({"varlen", "strided_cache"}), **common),
+        "cache_mla": OpSupport(query_dtypes=HALF | {torch.float32}, cache_dtypes=caches, head_sizes=CACHE_MLA_WIDTHS,
+                               block_sizes=CACHE_MLA_BLOCK_SIZES, devices=frozenset({"cuda"}),
+                               features=frozenset({"strided_cache", "fp8_rope"}), rope_dims=CACHE_MLA_WIDTHS,
+                               cache_dtype_notes=notes),
     }
 
 
@@ -137,10 +152,19 @@ class RocmPack(Pack):
         if support is None:
             return [f"op {key.op} is not implemented by the rocm pack"]
         out = support.reasons(key)
-        if key.op == "paged_attention" and key.cache_dtype in HALF and key.cache_dtype != key.query_dtype:
+        if key.op in ("paged_attention", "mla_decode") and key.cache_dtype in HALF \
+                and key.cache_dtype != key.query_dtype:
             cache, query = (dtypes.name(d) for d in (key.cache_dtype, key.query_dtype))
             out.append(f"a {cache} cache needs a query of the same dtype (the MFMA multiplies cache elements as "
                        f"stored); got a {query} query")
+        rope = key.rope_dtype
+        if key.op == "mla_decode" and rope is not None and rope.itemsize > 1 and rope != key.query_dtype:
+            out.append(f"the rotary cache (kpe_cache) must have the query's dtype {dtypes.name(key.query_dtype)} "
+                       f"(its elements are MFMA operands as stored); got {dtypes.name(rope)}")
+        if key.op == "cache_mla" and rope is not None and rope not in support.cache_dtypes:
+            out.append("kpe_cache: " + (support.cache_dtype_notes.get(rope) or
+                                        f"cache dtype {dtypes.name(rope)} is not supported (supported: "
+                                        f"{', '.join(sorted(dtypes.name(d) for d in support.cache_dtypes))})"))
         return out
 
     def _probe(self) -> Availability:
@@ -186,7 +210,8 @@ class RocmPack(Pack):
             raise RuntimeError(f"rocm pack: HIP runtime not found: {how}")
         return HipBackend(HipRuntime(path), built_archs(self.code_objects))
 
-    IMPLEMENTATIONS = {"paged_attention": "ops:paged_attention", "cache_kv": "ops:cache_kv"}
+    IMPLEMENTATIONS = {"paged_attention": "ops:paged_attention", "cache_kv": "ops:cache_kv",
+                       "mla_decode": "ops:mla_decode", "cache_mla": "ops:cache_mla"}
 
     def impl(self, op: str):
         """The declared implementation, bound to this machine's HIP backend."""

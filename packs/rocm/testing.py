@@ -49,3 +49,12 @@ def emulation(csrc: str, arch: str) -> emulator.Emulator:
         raise ValueError(f"the emulation covers gfx942 and gfx90a, not {arch}")
     lib = build.emulation_library(_tmpdir() / "wave64", fnuz_hw=arch == "gfx942", csrc=csrc)
     return emulator.Emulator(lib)
+
+
+@functools.cache
+def mla_emulation(csrc: str, arch: str) -> emulator.Emulator:
+    """The CPU emulation of ``arch``'s MLA code object (csrc/mla_kernels.hip), flavours as :func:`emulation`."""
+    if arch not in ("gfx942", "gfx90a"):
+        raise ValueError(f"the emulation covers gfx942 and gfx90a, not {arch}")
+    lib = build.emulation_library(_tmpdir() / "wave64", fnuz_hw=arch == "gfx942", csrc=csrc, source=build.MLA_SOURCE)
+    return emulator.Emulator(lib)

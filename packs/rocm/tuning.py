@@ -27,3 +27,17 @@ def partition_size(arch: str) -> int:
     if arch not in entries:
         raise KeyError(f"{_PATH} has no partition_size for {arch} (it has {', '.join(sorted(entries))})")
     return entries[arch]["value"]
+
+
+def mla_decode(arch: str) -> dict:
+    """MLA decode's split-K parameters for ``arch``: compute_units, workgroups_per_cu, min_partition."""
+    entries = table().get("mla_decode", {})
+    if arch not in entries:
+        raise KeyError(f"{_PATH} has no mla_decode entry for {arch} (it has {', '.join(sorted(entries))})")
+    e = entries[arch]
+    for k in ("compute_units", "workgroups_per_cu", "min_partition"):
+        if not (isinstance(e.get(k), int) and e[k] > 0):
+            raise ValueError(f"{_PATH}: mla_decode.{arch}.{k} is {e.get(k)!r}; it must be a positive int")
+    if e["min_partition"] % kernels.MLA_STEP:
+        raise ValueError(f"{_PATH}: mla_decode.{arch}.min_partition must be a multiple of {kernels.MLA_STEP}")
+    return e

@@ -37,9 +37,12 @@ typedef short i16x4 __attribute__((ext_vector_type(4)));  // LLVM 19: the bf16_1
 // Every kernel runs 256 work-items (4 wave64s), and the design assumes at least 4 waves per SIMD
 // (4 workgroups per CU) to keep enough loads in flight: the compiler is held to that register budget
 // (<= 128 VGPRs + AGPRs); the ISA tests check it did so without spilling (docs/rocm.md, "Resources").
-#define HAL_KERNEL(NAME)                                                                        \
+#define HAL_KERNEL(NAME) HAL_KERNEL_WAVES(NAME, 4)
+// The MLA code object's compute-bound kernels hold O in registers and a K/V tile in LDS and are
+// designed for 2 waves per SIMD (<= 256 VGPRs, <= 32 KiB LDS): they say so with HAL_KERNEL_WAVES(.., 2).
+#define HAL_KERNEL_WAVES(NAME, WAVES)                                                           \
   extern "C" __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(256, 256)))   \
-  __attribute__((amdgpu_waves_per_eu(4))) void NAME
+  __attribute__((amdgpu_waves_per_eu(WAVES))) void NAME
 #define HAL_REGISTER(NAME)
 #define HAL_SHARED(TYPE, NAME) __attribute__((shared)) TYPE NAME
 

@@ -22,6 +22,7 @@
 
 #define HAL_DEV inline
 #define HAL_KERNEL(NAME) extern "C" void NAME
+#define HAL_KERNEL_WAVES(NAME, WAVES) HAL_KERNEL(NAME)
 #define HAL_REGISTER(NAME) \
   static ::hal_wave64::Registrar hal_registrar_##NAME(#NAME, &::hal_wave64::invoke<&NAME>, ::hal_wave64::kernarg_size(&NAME));
 #define HAL_SHARED(TYPE, NAME) TYPE& NAME = *static_cast<TYPE*>(::hal_wave64::lds_alloc(sizeof(TYPE), alignof(TYPE)))
