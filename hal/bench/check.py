@@ -96,6 +96,28 @@ class Verdict:
     reason: str = ""
 
 
+def judge(out: torch.Tensor, want_shape: tuple, f32: torch.Tensor, index: torch.Tensor, f64: torch.Tensor,
+          tol: float, ref_ok: bool) -> Verdict:
+    """The verdict on a contender's ``out`` (decode, prefill and MLA rows alike): the shape, every
+    value finite, the worst per-row relative L2 error vs float64 on the ``index`` rows (``f64``) and,
+    where the float32 reference is trusted (``ref_ok``), vs float32 on every row, each <= ``tol``."""
+    if tuple(out.shape) != tuple(want_shape):
+        return Verdict(False, reason=f"output shape {tuple(out.shape)} != {tuple(want_shape)}")
+    bad = int((~torch.isfinite(out)).sum())
+    if bad:
+        return Verdict(False, reason=f"{bad} non-finite outputs (unwritten or NaN)")
+    err_all = worst_rel_l2(out, f32)
+    sub = out[index]
+    err_f64 = worst_rel_l2(sub, f64)
+    max_abs = float((sub.to(torch.float64) - f64).abs().max()) if sub.numel() else 0.0
+    fails = []
+    if not err_f64 <= tol:
+        fails.append(f"error vs float64 {err_f64:.2e} > {tol:.2g}")
+    if ref_ok and not err_all <= tol:
+        fails.append(f"error vs emu float32 {err_all:.2e} > {tol:.2g}")
+    return Verdict(not fails, err_all, err_f64, max_abs, "wrong: " + "; ".join(fails) if fails else "")
+
+
 class Reference:
     def __init__(self, p: Problem, seed: int = 0):
         self.problem = p
@@ -122,19 +144,5 @@ class Reference:
 
     def check(self, out: torch.Tensor, tolerance: float | None = None) -> Verdict:
         """``tolerance`` overrides the dtype's (a contender that rounds to FP8 on purpose)."""
-        p = self.problem
-        if tuple(out.shape) != tuple(p.query.shape):
-            return Verdict(False, reason=f"output shape {tuple(out.shape)} != {tuple(p.query.shape)}")
-        bad = int((~torch.isfinite(out)).sum())
-        if bad:
-            return Verdict(False, reason=f"{bad} non-finite outputs (unwritten or NaN)")
-        err_all = worst_rel_l2(out, self.f32)
-        err_f64 = worst_rel_l2(out[self.subset_index], self.f64)
-        max_abs = float((out.to(torch.float64)[self.subset_index] - self.f64).abs().max())
         tol = self.tolerance if tolerance is None else tolerance
-        fails = []
-        if not err_f64 <= tol:
-            fails.append(f"error vs float64 {err_f64:.2e} > {tol:.0e}")
-        if self.ref_ok and not err_all <= tol:
-            fails.append(f"error vs emu float32 {err_all:.2e} > {tol:.0e}")
-        return Verdict(not fails, err_all, err_f64, max_abs, "wrong: " + "; ".join(fails) if fails else "")
+        return judge(out, self.problem.query.shape, self.f32, self.subset_index, self.f64, tol, self.ref_ok)

@@ -384,25 +384,14 @@ class MlaReference:
         then flagged in ``reason`` where its error is over 5e-3, passed or not."""
         p = self.problem
         want = (p.total_q, p.shape.num_heads, p.shape.latent)
-        if tuple(out.shape) != want:
-            return check.Verdict(False, reason=f"output shape {tuple(out.shape)} != {want}")
-        bad = int((~torch.isfinite(out)).sum())
-        if bad:
-            return check.Verdict(False, reason=f"{bad} non-finite outputs (unwritten or NaN)")
-        err_all = check.worst_rel_l2(out, self.f32)
-        sub = out[self.row_index]
-        err_f64 = check.worst_rel_l2(sub, self.f64)
-        max_abs = float((sub.to(torch.float64) - self.f64).abs().max()) if sub.numel() else 0.0
         tol = self.tolerance if tolerance is None else tolerance
-        fails = []
-        if not err_f64 <= tol:
-            fails.append(f"error vs float64 {err_f64:.2e} > {tol:.2g}")
-        if self.ref_ok and not err_all <= tol:
-            fails.append(f"error vs emu float32 {err_all:.2e} > {tol:.2g}")
-        reason = "wrong: " + "; ".join(fails) if fails else ""
+        v = check.judge(out, want, self.f32, self.row_index, self.f64, tol, self.ref_ok)
+        if v.err_f64 is None:  # shape or non-finite values: nothing to flag
+            return v
+        err_all, err_f64, reason = v.err_all, v.err_f64, v.reason
         worst = max(err_f64, err_all if self.ref_ok else 0.0)
         if tol > self.tolerance and worst > self.tolerance:
             flag = (f"FLAGGED: error {worst:.2e} is over the {self.tolerance:.0e} bound of 16-bit contenders "
                     f"(checked against its own {tol:.2g})")
             reason = flag + ("; " + reason if reason else "")
-        return check.Verdict(not fails, err_all, err_f64, max_abs, reason)
+        return dataclasses.replace(v, reason=reason)

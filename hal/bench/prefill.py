@@ -303,20 +303,5 @@ class PrefillReference:
                 f"{'' if self.ref_ok else ' -- REFERENCE SUSPECT'})")
 
     def check(self, out: torch.Tensor, tolerance: float | None = None) -> check.Verdict:
-        p = self.problem
-        if tuple(out.shape) != tuple(p.query.shape):
-            return check.Verdict(False, reason=f"output shape {tuple(out.shape)} != {tuple(p.query.shape)}")
-        bad = int((~torch.isfinite(out)).sum())
-        if bad:
-            return check.Verdict(False, reason=f"{bad} non-finite outputs (unwritten or NaN)")
-        err_all = check.worst_rel_l2(out, self.f32)
-        sub = out[self.row_index]
-        err_f64 = check.worst_rel_l2(sub, self.f64)
-        max_abs = float((sub.to(torch.float64) - self.f64).abs().max()) if sub.numel() else 0.0
         tol = self.tolerance if tolerance is None else tolerance
-        fails = []
-        if not err_f64 <= tol:
-            fails.append(f"error vs float64 {err_f64:.2e} > {tol:.2g}")
-        if self.ref_ok and not err_all <= tol:
-            fails.append(f"error vs emu float32 {err_all:.2e} > {tol:.2g}")
-        return check.Verdict(not fails, err_all, err_f64, max_abs, "wrong: " + "; ".join(fails) if fails else "")
+        return check.judge(out, self.problem.query.shape, self.f32, self.row_index, self.f64, tol, self.ref_ok)

@@ -134,7 +134,7 @@ def cache_kv(call) -> None:
     _cache_kv(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)
 
 
-def _rows16(t: torch.Tensor, name: str) -> torch.Tensor:
+def _rows16(t: torch.Tensor) -> torch.Tensor:
     """``t`` (unit last stride) with 16-byte aligned rows for the MLA kernel's vector loads; a copy
     only for an unusual view."""
     if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
@@ -193,8 +193,8 @@ def _mla_decode_args(call, q_nope, q_pe, out):
 
 def mla_decode(call) -> None:
     """Run a validated :class:`hal.call.MLACall` (R = 512, P = 64: the pack's declaration)."""
-    qn, qp = _rows16(call.q_nope, "q_nope"), _rows16(call.q_pe, "q_pe")
-    out = call.out if _rows16(call.out, "out") is call.out else torch.empty_like(call.q_nope)
+    qn, qp = _rows16(call.q_nope), _rows16(call.q_pe)
+    out = call.out if _rows16(call.out) is call.out else torch.empty_like(call.q_nope)
     built = _mla_decode_args(call, qn, qp, out)
     if built is None:
         return
@@ -297,7 +297,7 @@ def _prepare_cache_kv(call):
 def _prepare_mla_decode(call):
     """As :func:`_prepare_paged_attention`; a plan whose query or output rows are not 16-byte aligned
     (copied by the one-shot call) takes the default runner instead (None)."""
-    if any(_rows16(t, "") is not t for t in (call.q_nope, call.q_pe, call.out)):
+    if any(_rows16(t) is not t for t in (call.q_nope, call.q_pe, call.out)):
         return None
     built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out)
     if built is None:
