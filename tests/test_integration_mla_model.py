@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import hal
 from hal.integrations import mla
+from hal.integrations.models import cache_keyword
 
 pytestmark = pytest.mark.emu
 
@@ -77,9 +78,9 @@ def _stock(model, prompt, tokens, cache=None):
     """Stock logits [1 + len(tokens), vocab] of the prompt's last token and of each fed token."""
     dev = model.device
     cache = cache if cache is not None else transformers.DynamicCache(config=model.config)
-    out = [model(torch.tensor([prompt], device=dev), cache=cache, use_cache=True).logits[0, -1]]
+    out = [model(torch.tensor([prompt], device=dev), **{cache_keyword(model): cache}, use_cache=True).logits[0, -1]]
     for t in tokens:
-        out.append(model(torch.tensor([[t]], device=dev), cache=cache, use_cache=True).logits[0, -1])
+        out.append(model(torch.tensor([[t]], device=dev), **{cache_keyword(model): cache}, use_cache=True).logits[0, -1])
     return torch.stack(out).float()
 
 
@@ -210,7 +211,7 @@ def test_the_cache_holds_the_model_s_latent_and_rotary_key(device):
     for sid, p in zip(sids, prompts):
         stock = transformers.DynamicCache(config=model.config)
         with torch.no_grad():
-            model(torch.tensor([p], device=model.device), cache=stock, use_cache=True)
+            model(torch.tensor([p], device=model.device), **{cache_keyword(model): stock}, use_cache=True)
         latent, rope = stock.layers[0].keys[0, 0], stock.layers[0].values[0, 0]     # [tokens, R], [tokens, P]
         blocks = torch.tensor(cache.block_ids(sid), device=model.device)
         have_c = cache.ckv_caches[0][blocks].reshape(-1, 512)[:len(p)]

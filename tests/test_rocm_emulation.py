@@ -253,7 +253,7 @@ def test_reduce_combines_thousands_of_partitions():
     lens = torch.tensor([L], dtype=torch.int32)
     out = torch.full((1, heads, d), float("nan"), dtype=torch.bfloat16)
     values = {"out": out.data_ptr(), "tmp_out": tmp.data_ptr(), "exp_sums": sums.data_ptr(),
-              "max_logits": maxes.data_ptr(), "seq_lens": lens.data_ptr(), "o_stride_seq": out.stride(0),
+              "max_logits": maxes.data_ptr(), "seq_lens": lens.data_ptr(), "query_start_loc": 0, "o_stride_seq": out.stride(0),
               "o_stride_head": out.stride(1), "num_heads": heads, "head_size": d, "sliding_window": 0,
               "partition_size": 256, "max_parts": parts}
     emulator.EmulatorBackend(em).launch("hal_pa_reduce_bf16", (heads, 1, 1), values, [out, tmp, sums, maxes, lens])

@@ -44,7 +44,8 @@ def test_declaration_per_arch():
     assert s90a.cache_dtypes == s942.cache_dtypes | {torch.float8_e4m3fn, torch.float8_e5m2}
     assert s942.head_sizes == (64, 128, 256) and {16, 32, 64} <= set(s942.block_sizes)
     assert s942.max_gqa_ratio is None and s942.devices == {"cuda"}
-    assert s942.features == {"alibi", "soft_cap", "sliding_window", "per_head_scales"}  # not misaligned caches
+    assert s942.features == {"alibi", "soft_cap", "sliding_window", "per_head_scales", "varlen",
+                             "strided_cache"}  # not misaligned caches
     assert ROCM.VENDORS == {"rocm"} and ROCM.SUPPORTS["paged_attention"] == s942
 
 

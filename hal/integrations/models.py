@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import logging
 import pathlib
 
@@ -29,6 +30,12 @@ INSTALL_HINT = ("pip install 'transformers>=5.24' 'gguf>=0.10' 'accelerate>=1.0'
 
 class ModelUnavailable(RuntimeError):
     """The model or a library it needs is not installed; the message says how to install it."""
+
+
+def cache_keyword(model) -> str:
+    """The keyword a model call takes its KV cache by: transformers 5.x renamed ``past_key_values`` to
+    ``cache`` (an older transformers swallows ``cache=`` into its kwargs and runs without one)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def missing() -> list[str]:

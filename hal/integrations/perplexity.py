@@ -22,7 +22,6 @@ window's context length.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ import time
 import torch
 
 import hal
+from hal.integrations.models import cache_keyword
 from hal.integrations.transformers import ROUNDTRIP_NAME, HalRunner, RoundTrip, using
 
 __all__ = ["Result", "Variant", "bos_token_id", "evaluate", "make_windows", "text_windows"]
@@ -140,11 +140,6 @@ def text_windows(tok, text: str, num: int, length: int, what: str = "text") -> t
     return make_windows(tok(text, return_tensors="pt").input_ids, num, length, what, bos_token_id=bos)
 
 
-def _cache_keyword(model) -> str:
-    """transformers 5.x renamed ``past_key_values`` to ``cache`` in model calls."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class _Stock:
     """The model's own attention (or the round-trip simulation) over a transformers DynamicCache."""
 
@@ -159,7 +154,7 @@ class _Stock:
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         ctx = using(self.model, ROUNDTRIP_NAME) if self.variant.kind == "roundtrip" else _nullcontext()
         with ctx:
-            out = self.model(input_ids=ids, use_cache=True, **{_cache_keyword(self.model): self.cache}, **self.kw)
+            out = self.model(input_ids=ids, use_cache=True, **{cache_keyword(self.model): self.cache}, **self.kw)
         self.cache = getattr(out, "cache", None) or out.past_key_values
         return out.logits.float()
 

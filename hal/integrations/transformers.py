@@ -406,20 +406,20 @@ class HalRunner:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, *, do_sample: bool = False,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=None,
-                 generator: torch.Generator | None = None) -> list[list[int]]:
+                 generator: torch.Generator | None = None, planned: bool = True) -> list[list[int]]:
         """New tokens for each prompt (token id lists of any lengths). Greedy unless ``do_sample``.
         A sequence stops at ``eos_token_id`` (int or list) and leaves the batch, freeing its blocks.
-        Every step is planned once for all layers; on a GPU the decode steps replay CUDA graphs
-        (see the class docstring)."""
+        Every step is planned once for all layers (``planned=False``: one-shot calls, no graphs); on a
+        GPU the decode steps replay CUDA graphs (see the class docstring)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("generate: every prompt needs at least one token")
         eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
         cache = self.new_cache(sum(len(p) for p in prompts) + len(prompts) * max_new_tokens, len(prompts))
         sids = [cache.add_sequence() for _ in prompts]
         out: list[list[int]] = [[] for _ in prompts]
-        logits = self.prefill(cache, sids, prompts, planned=True)
+        logits = self.prefill(cache, sids, prompts, planned=planned)
         width = -(-(max(len(p) for p in prompts) + max_new_tokens) // cache.block_size)
-        graphs = _DecodeGraphs(self, cache, width) if self._graphs_wanted(cache) else None
+        graphs = _DecodeGraphs(self, cache, width) if planned and self._graphs_wanted(cache) else None
         self.graph_fallback = None
         active = list(range(len(prompts)))
         for _ in range(max_new_tokens):
@@ -438,7 +438,7 @@ class HalRunner:
             if graphs is not None:
                 hidden = graphs.step([sids[i] for i in active], tokens)
             else:
-                hidden = self.step(cache, [sids[i] for i in active], tokens, planned=True)
+                hidden = self.step(cache, [sids[i] for i in active], tokens, planned=planned)
             logits = self.logits(hidden[:, -1])
         return out
 

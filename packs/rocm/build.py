@@ -33,9 +33,12 @@ SOURCE = "kernels.hip"
 CODE_OBJECT = kernels.CODE_OBJECT
 MLA_SOURCE = "mla_kernels.hip"
 MLA_CODE_OBJECT = kernels.MLA_CODE_OBJECT
-# Each code object of an arch: its source and the kernels it must define. Two, because their occupancy
-# designs differ (4 waves per SIMD for paged decode, 2 for the MLA decode kernels: docs/rocm.md).
-UNITS = ((SOURCE, CODE_OBJECT, kernels.kernel_names), (MLA_SOURCE, MLA_CODE_OBJECT, kernels.mla_kernel_names))
+PREFILL_SOURCE = "prefill_kernels.hip"
+PREFILL_CODE_OBJECT = kernels.PREFILL_CODE_OBJECT
+# Each code object of an arch: its source and the kernels it must define. Apart because their occupancy
+# designs differ (4 waves per SIMD for paged decode, 2 for MLA decode and multi-token: docs/rocm.md).
+UNITS = ((SOURCE, CODE_OBJECT, kernels.kernel_names), (MLA_SOURCE, MLA_CODE_OBJECT, kernels.mla_kernel_names),
+         (PREFILL_SOURCE, PREFILL_CODE_OBJECT, kernels.prefill_kernel_names))
 INSTALL_DIR = "codeobjects"  # next to this file in the installed package: codeobjects/<arch>/hal_rocm.hsaco
 BUILD_INFO = "build_info.json"
 # clang++ names searched in order after ROCm's; the first one whose AMDGPU target works is used.
@@ -176,7 +179,7 @@ def emulation_library(out_dir, fnuz_hw: bool, clang: str | None = None, csrc=CSR
                       source: str = SOURCE) -> pathlib.Path:
     """Compile the same kernel sources for the host against csrc/wave64_host.h. ``fnuz_hw``: emulate gfx942
     (hardware fnuz FP8 conversions) rather than gfx90a (software FP8). ``source``: the code object's
-    source (``SOURCE``, or ``MLA_SOURCE`` for the MLA kernels: one library per code object)."""
+    source (``SOURCE``, ``MLA_SOURCE`` or ``PREFILL_SOURCE``: one library per code object)."""
     path, how = find_clang(clang)
     host = path or shutil.which("clang++")
     if host is None:

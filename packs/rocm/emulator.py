@@ -5,6 +5,7 @@ argument packing (:func:`kernels.pack`) as the HIP launcher."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import pathlib
 
 import torch
@@ -41,6 +42,10 @@ class Emulator:
     def kernel_names(self) -> list[str]:
         return sorted(self._lib.hal_wave64_kernel_name(i).decode() for i in range(self._lib.hal_wave64_num_kernels()))
 
+    @functools.cached_property
+    def kernel_set(self) -> frozenset[str]:
+        return frozenset(self.kernel_names())
+
     def kernarg_size(self, name: str) -> int:
         return self._lib.hal_wave64_kernarg_size(name.encode())
 
@@ -65,17 +70,29 @@ def _range(t: torch.Tensor) -> tuple[int, int]:
 
 class EmulatorBackend:
     """An :mod:`ops` backend over CPU tensors. ``schedule``: 0 work-items in order, 1 reversed,
-    2 shuffled with ``seed`` (different interleavings expose missing barriers)."""
+    2 shuffled with ``seed`` (different interleavings expose missing barriers). ``more``: emulations of
+    the arch's other code objects (a mixed batch launches kernels of two); each kernel runs in the one
+    that defines it."""
 
-    def __init__(self, emulator: Emulator, schedule: int = 0, seed: int = 0):
+    def __init__(self, emulator: Emulator, schedule: int = 0, seed: int = 0, more: tuple[Emulator, ...] = ()):
         self.emulator, self.schedule, self.seed = emulator, schedule, seed
+        self.emulators = (emulator, *more)
+        if any(e.arch != emulator.arch for e in more):
+            raise ValueError(f"emulations of different archs: {[e.arch for e in self.emulators]}")
         self.launches: list[tuple[str, tuple[int, int, int]]] = []
 
     def arch(self, device) -> str:
         return self.emulator.arch
 
+    def _for(self, kernel: str) -> Emulator:
+        for e in self.emulators:
+            if kernel in e.kernel_set:
+                return e
+        raise EmulationError(f"no emulation library here defines {kernel} (libraries: "
+                             f"{', '.join(e.path.name for e in self.emulators)})")
+
     def launch(self, kernel: str, grid, values: dict, tensors) -> None:
         buf = kernels.pack(kernels.family(kernel), values)
         ranges = [_range(t) for t in tensors if t.numel() > 0]
         self.launches.append((kernel, tuple(grid)))
-        self.emulator.launch(kernel, grid, buf, ranges, self.schedule, self.seed)
+        self._for(kernel).launch(kernel, grid, buf, ranges, self.schedule, self.seed)

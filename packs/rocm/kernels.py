@@ -22,6 +22,7 @@ THREADS = 256                                     # every kernel: one workgroup 
 CHUNK = 256                                       # tokens per decode step; partition sizes are multiples
 CODE_OBJECT = "hal_rocm.hsaco"                    # csrc/kernels.hip: paged decode, reduce, cache_kv
 MLA_CODE_OBJECT = "hal_rocm_mla.hsaco"            # csrc/mla_kernels.hip: MLA decode, its merge, cache_mla
+PREFILL_CODE_OBJECT = "hal_rocm_prefill.hsaco"    # csrc/prefill_kernels.hip: multi-token paged attention
 
 # Archs whose hardware converts FP8, and the encodings it converts. Only those are built there: an
 # OCP cache on gfx942 is refused by the declaration (convert it), never fed to the fnuz instructions.
@@ -84,8 +85,28 @@ def mla_kernel_names(arch: str) -> list[str]:
     return sorted(names)
 
 
+# The multi-token code object (csrc/prefill_kernels.hip -> hal_rocm_prefill.hsaco): 2 waves per SIMD, as
+# the MLA decode kernels (docs/rocm.md, "Prefill"); a mixed batch's decode rows use hal_rocm.hsaco's.
+PREFILL_ROWS = 64                                 # rows (query token x GQA head) per workgroup
+
+
+def prefill_name(query: str, cache: str, head_size: int) -> str:
+    return f"hal_pa_prefill_{query}_{cache}_d{head_size}"
+
+
+def prefill_step(head_size: int) -> int:
+    """Tokens a prefill workgroup stages per step (8 KiB of 16-bit K and V each)."""
+    return 4096 // head_size
+
+
+def prefill_kernel_names(arch: str) -> list[str]:
+    """Every kernel the multi-token code object for ``arch`` must define."""
+    caches = [("f16", "f16"), ("bf16", "bf16")] + [(q, e) for e in fp8_encodings(arch) for q in QUERY_TYPES]
+    return sorted(prefill_name(q, c, d) for q, c in caches for d in HEAD_SIZES)
+
+
 def family(kernel: str) -> str:
-    for fam in ("pa_decode", "pa_reduce", "cache_kv", *MLA_FAMILIES):
+    for fam in ("pa_decode", "pa_reduce", "pa_prefill", "cache_kv", *MLA_FAMILIES):
         if kernel.startswith(f"hal_{fam}_"):
             return fam
     raise ValueError(f"{kernel!r} is not a rocm pack kernel")
@@ -93,7 +114,8 @@ def family(kernel: str) -> str:
 
 def code_object(kernel: str) -> str:
     """The file (in an arch's folder) whose code object defines ``kernel``."""
-    return MLA_CODE_OBJECT if family(kernel) in MLA_FAMILIES else CODE_OBJECT
+    fam = family(kernel)
+    return MLA_CODE_OBJECT if fam in MLA_FAMILIES else PREFILL_CODE_OBJECT if fam == "pa_prefill" else CODE_OBJECT
 
 
 # (name, kind) in parameter order. ptr: 8-byte global pointer; i64 / i32 / f32: by value.
@@ -101,9 +123,10 @@ PARAMS: dict[str, tuple[tuple[str, str], ...]] = {
     "pa_decode": (
         ("out", "ptr"), ("tmp_out", "ptr"), ("exp_sums", "ptr"), ("max_logits", "ptr"), ("query", "ptr"),
         ("key_cache", "ptr"), ("value_cache", "ptr"), ("block_tables", "ptr"), ("seq_lens", "ptr"),
-        ("k_scale_ptr", "ptr"), ("v_scale_ptr", "ptr"), ("alibi_slopes", "ptr"),
+        ("query_start_loc", "ptr"), ("k_scale_ptr", "ptr"), ("v_scale_ptr", "ptr"), ("alibi_slopes", "ptr"),
         ("q_stride_seq", "i64"), ("q_stride_head", "i64"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
-        ("k_block_stride", "i64"), ("v_block_stride", "i64"), ("bt_stride", "i64"),
+        ("k_block_stride", "i64"), ("k_head_stride", "i64"), ("k_token_stride", "i64"),
+        ("v_block_stride", "i64"), ("v_head_stride", "i64"), ("v_token_stride", "i64"), ("bt_stride", "i64"),
         ("scale", "f32"), ("k_scale_val", "f32"), ("v_scale_val", "f32"), ("soft_cap", "f32"),
         ("num_kv_heads", "i32"), ("gqa_ratio", "i32"), ("num_tiles", "i32"), ("block_size_log2", "i32"),
         ("sliding_window", "i32"), ("partition_size", "i32"), ("max_parts", "i32"),
@@ -111,9 +134,19 @@ PARAMS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "pa_reduce": (
         ("out", "ptr"), ("tmp_out", "ptr"), ("exp_sums", "ptr"), ("max_logits", "ptr"), ("seq_lens", "ptr"),
-        ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
+        ("query_start_loc", "ptr"), ("o_stride_seq", "i64"), ("o_stride_head", "i64"),
         ("num_heads", "i32"), ("head_size", "i32"), ("sliding_window", "i32"), ("partition_size", "i32"),
         ("max_parts", "i32"),
+    ),
+    "pa_prefill": (
+        ("out", "ptr"), ("query", "ptr"), ("key_cache", "ptr"), ("value_cache", "ptr"), ("block_tables", "ptr"),
+        ("seq_lens", "ptr"), ("query_start_loc", "ptr"), ("k_scale_ptr", "ptr"), ("v_scale_ptr", "ptr"),
+        ("alibi_slopes", "ptr"), ("q_stride_tok", "i64"), ("q_stride_head", "i64"), ("o_stride_tok", "i64"),
+        ("o_stride_head", "i64"), ("k_block_stride", "i64"), ("k_head_stride", "i64"), ("k_token_stride", "i64"),
+        ("v_block_stride", "i64"), ("v_head_stride", "i64"), ("v_token_stride", "i64"), ("bt_stride", "i64"),
+        ("scale", "f32"), ("k_scale_val", "f32"), ("v_scale_val", "f32"), ("soft_cap", "f32"),
+        ("gqa_ratio", "i32"), ("block_size_log2", "i32"), ("sliding_window", "i32"), ("causal", "i32"),
+        ("skip_single", "i32"), ("k_scale_stride", "i32"), ("v_scale_stride", "i32"),
     ),
     "cache_kv": (
         ("key", "ptr"), ("value", "ptr"), ("key_cache", "ptr"), ("value_cache", "ptr"), ("slot_mapping", "ptr"),

@@ -36,10 +36,11 @@ def _rows(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def _check_cache(name: str, c: torch.Tensor) -> None:
-    if not _aligned(c, 16, (0,)):
-        raise ValueError(f"rocm pack: {name} must start on a 16-byte boundary with blocks 16-byte aligned "
-                         f"(data_ptr % 16 = {c.data_ptr() % 16}, stride(0) = {c.stride(0)} elements); "
-                         f"allocate it with torch.empty or view it from an aligned allocation")
+    if not _aligned(c, 16, (0, 1, 2)):
+        raise ValueError(f"rocm pack: {name} must start on a 16-byte boundary with its blocks, heads and tokens "
+                         f"16-byte aligned (data_ptr % 16 = {c.data_ptr() % 16}, strides {tuple(c.stride())} x "
+                         f"{c.element_size()} bytes); allocate it with torch.empty or view it from an aligned "
+                         f"allocation (an NHD cache's permute(0, 2, 1, 3) view is fine)")
 
 
 def _scale_args(s, prefix: str) -> dict:
@@ -56,62 +57,85 @@ def max_partitions(max_len: int, partition_size: int, sliding_window: int | None
 
 
 def _paged_attention(backend, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                    alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
-    n, h, d = query.shape
+                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc=None,
+                     max_query_len=1, causal=True) -> None:
+    """Decode (one row a sequence), or with ``query_start_loc`` a multi-token call: sequences of more
+    than one row through the prefill kernel, those of one row through the decode kernels (their
+    split-K and merge), both launched from host ints (``max_query_len``, ``max_seq_len``)."""
+    total_q, h, d = query.shape
     nb, hkv, bs, _ = key_cache.shape
-    if n == 0:
+    n = seq_lens.shape[0]
+    if total_q == 0 or n == 0:
         return
     if bs & (bs - 1):
         raise ValueError(f"rocm pack: block_size {bs} is not a power of two")
-    arch = backend.arch(query.device)
-    psize = tuning.partition_size(arch)
-    g = h // hkv
-    tiles = -(-g // 16)
-    max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
-    parts = max_partitions(max_len, psize, sliding_window)
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_cache(name, c)
+    g = h // hkv
     q = _rows(query, 16)
     o = out if _aligned(out, 16, (0, 1)) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     lens = seq_lens.contiguous()
+    qsl = query_start_loc.contiguous() if query_start_loc is not None else None
     ks = k_scale.contiguous() if isinstance(k_scale, torch.Tensor) else k_scale
     vs = v_scale.contiguous() if isinstance(v_scale, torch.Tensor) else v_scale
     alibi = alibi_slopes.contiguous() if alibi_slopes is not None else None
-    dev = query.device
+    qn, cn = TYPE_NAMES[query.dtype], TYPE_NAMES[key_cache.dtype]
+    common = {
+        "out": o.data_ptr(), "query": q.data_ptr(), "key_cache": key_cache.data_ptr(),
+        "value_cache": value_cache.data_ptr(), "block_tables": tables.data_ptr(), "seq_lens": lens.data_ptr(),
+        "query_start_loc": qsl.data_ptr() if qsl is not None else 0,
+        "alibi_slopes": alibi.data_ptr() if alibi is not None else 0,
+        "k_block_stride": key_cache.stride(0), "k_head_stride": key_cache.stride(1),
+        "k_token_stride": key_cache.stride(2), "v_block_stride": value_cache.stride(0),
+        "v_head_stride": value_cache.stride(1), "v_token_stride": value_cache.stride(2),
+        "bt_stride": tables.stride(0), "scale": float(scale),
+        "soft_cap": float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
+        "block_size_log2": bs.bit_length() - 1, "sliding_window": sliding_window or 0,
+        **_scale_args(ks, "k_scale"), **_scale_args(vs, "v_scale"),
+    }
+    inputs = [o, q, key_cache, value_cache, tables, lens] + [t for t in (qsl, ks, vs, alibi) if isinstance(t, torch.Tensor)]
+    multi = qsl is not None and max_query_len > 1
+    if multi:
+        row_tiles = -(-max_query_len * g // kernels.PREFILL_ROWS)
+        values = {**common, "q_stride_tok": q.stride(0), "q_stride_head": q.stride(1), "o_stride_tok": o.stride(0),
+                  "o_stride_head": o.stride(1), "gqa_ratio": g, "causal": int(causal), "skip_single": 1}
+        backend.launch(kernels.prefill_name(qn, cn, d), (n, row_tiles, hkv), values, inputs)
+    _decode_rows(backend, common, inputs, o, q, n, h, hkv, d, qn, cn, max_seq_len, sliding_window)
+    if o is not out:
+        out.copy_(o)
+
+
+def _decode_rows(backend, common, inputs, o, q, n, h, hkv, d, qn, cn, max_seq_len, sliding_window) -> None:
+    """The decode kernel (and its merge when the context is split) over every sequence; with
+    ``query_start_loc`` in ``common`` only sequences of one query row are computed."""
+    psize = tuning.partition_size(backend.arch(q.device))
+    g = h // hkv
+    tiles = -(-g // 16)
+    parts = max_partitions(max_seq_len, psize, sliding_window)  # max_seq_len: a host int from validation
+    dev = q.device
     if parts > 1:
         tmp = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
         sums = torch.empty((n, h, parts), dtype=torch.float32, device=dev)
         maxes = torch.empty((n, h, parts), dtype=torch.float32, device=dev)
     else:  # never read: one partition per sequence writes the output directly
         tmp = sums = maxes = torch.empty(0, dtype=torch.float32, device=dev)
-    qn, cn = TYPE_NAMES[query.dtype], TYPE_NAMES[key_cache.dtype]
     values = {
-        "out": o.data_ptr(), "tmp_out": tmp.data_ptr(), "exp_sums": sums.data_ptr(), "max_logits": maxes.data_ptr(),
-        "query": q.data_ptr(), "key_cache": key_cache.data_ptr(), "value_cache": value_cache.data_ptr(),
-        "block_tables": tables.data_ptr(), "seq_lens": lens.data_ptr(),
-        "alibi_slopes": alibi.data_ptr() if alibi is not None else 0,
+        **common, "tmp_out": tmp.data_ptr(), "exp_sums": sums.data_ptr(), "max_logits": maxes.data_ptr(),
         "q_stride_seq": q.stride(0), "q_stride_head": q.stride(1), "o_stride_seq": o.stride(0),
-        "o_stride_head": o.stride(1), "k_block_stride": key_cache.stride(0), "v_block_stride": value_cache.stride(0),
-        "bt_stride": tables.stride(0), "scale": float(scale),
-        "soft_cap": float(logits_soft_cap) if logits_soft_cap is not None else 0.0,
-        "num_kv_heads": hkv, "gqa_ratio": g, "num_tiles": tiles, "block_size_log2": bs.bit_length() - 1,
-        "sliding_window": sliding_window or 0, "partition_size": psize, "max_parts": parts,
-        **_scale_args(ks, "k_scale"), **_scale_args(vs, "v_scale"),
+        "o_stride_head": o.stride(1), "num_kv_heads": hkv, "gqa_ratio": g, "num_tiles": tiles,
+        "partition_size": psize, "max_parts": parts,
     }
-    touched = [o, tmp, sums, maxes, q, key_cache, value_cache, tables, lens] + [
-        t for t in (ks, vs, alibi) if isinstance(t, torch.Tensor)]
-    backend.launch(kernels.decode_name(qn, cn, d), (n, parts, hkv * tiles), values, touched)
+    backend.launch(kernels.decode_name(qn, cn, d), (n, parts, hkv * tiles), values, inputs + [tmp, sums, maxes])
     if parts > 1:
         reduce_values = {
             "out": o.data_ptr(), "tmp_out": tmp.data_ptr(), "exp_sums": sums.data_ptr(),
-            "max_logits": maxes.data_ptr(), "seq_lens": lens.data_ptr(), "o_stride_seq": o.stride(0),
+            "max_logits": maxes.data_ptr(), "seq_lens": common["seq_lens"],
+            "query_start_loc": common["query_start_loc"], "o_stride_seq": o.stride(0),
             "o_stride_head": o.stride(1), "num_heads": h, "head_size": d, "sliding_window": sliding_window or 0,
             "partition_size": psize, "max_parts": parts,
         }
-        backend.launch(kernels.reduce_name(qn), (h, n, 1), reduce_values, [o, tmp, sums, maxes, lens])
-    if o is not out:
-        out.copy_(o)
+        backend.launch(kernels.reduce_name(qn), (h, n, 1), reduce_values, inputs + [tmp, sums, maxes])
 
 
 def _cache_kv(backend, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -299,7 +323,9 @@ __all__ = ["TYPE_NAMES", "cache_kv", "cache_mla", "max_partitions", "mla_decode"
 
 def paged_attention(backend, call) -> None:
     """Run a validated :class:`hal.call.AttentionCall` through ``backend`` (HIP or the emulation)."""
-    _paged_attention(backend, call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+    _paged_attention(backend, call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens,
+                     call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap,
+                     call.sliding_window, call.max_seq_len, call.query_start_loc, call.max_query_len, call.causal)
 
 
 def cache_kv(backend, call) -> None:

@@ -1,6 +1,6 @@
-"""The ``rocm`` pack: native HIP paged decode attention and MLA decode (with their cache writes) for AMD
-Instinct gfx90a (MI200) and gfx942 (MI300), on MFMA 16x16x16, loaded at run time through the HIP runtime a
-ROCm build of torch ships.
+"""The ``rocm`` pack: native HIP paged attention (decode, prefill, mixed batches) and MLA decode (with their
+cache writes) for AMD Instinct gfx90a (MI200) and gfx942 (MI300), on MFMA 16x16x16, loaded at run time
+through the HIP runtime a ROCm build of torch ships.
 
 What it serves depends on the arch, as data (:func:`supports_for`): gfx942 converts e4m3fnuz and
 e5m2fnuz in hardware and is declared for those; an OCP (e4m3fn / e5m2) cache there is refused with how
@@ -37,7 +37,9 @@ CACHE_MLA_BLOCK_SIZES = tuple(range(1, 257))                 # the writer divide
 OCCUPANCY_DESIGN = ("hal_rocm.hsaco: every kernel keeps >= 4 waves per SIMD (4 workgroups of 4 wave64s per CU): "
                     "<= 128 VGPRs+AGPRs per lane, <= 16 KiB LDS per workgroup, no scratch; hal_rocm_mla.hsaco: "
                     "the MLA decode kernels keep >= 2 (an O tile in registers and a 16-token K/V tile in LDS: <= "
-                    "256 VGPRs+AGPRs, <= 32 KiB LDS), its merge and cache_mla writer >= 4; no scratch")
+                    "256 VGPRs+AGPRs, <= 32 KiB LDS), its merge and cache_mla writer >= 4; hal_rocm_prefill.hsaco: "
+                    "the multi-token kernels keep >= 2 (a 64-row O tile in registers and an 8 KiB K + V step in "
+                    "LDS: <= 256 VGPRs+AGPRs, <= 32 KiB LDS); no scratch")
 
 _FN_ON_GFX942 = (
     "cache dtype float8_e4m3fn is OCP FP8, and gfx942 (MI300) converts e4m3fnuz in hardware: the rocm pack "
@@ -70,9 +72,12 @@ def supports_for(arch: str) -> dict[str, OpSupport]:
     notes = {d: why for d, why in _OCP_ON_GFX942.items() if d not in caches} if arch == "gfx942" else {}
     common = dict(cache_dtypes=caches, block_sizes=BLOCK_SIZES, devices=frozenset({"cuda"}), cache_dtype_notes=notes)
     return {
-        # 16-byte vector loads: a cache must start, and keep its blocks, on 16-byte boundaries
+        # 16-byte vector loads: a cache must start, and keep its blocks, heads and tokens, on 16-byte
+        # boundaries. varlen: multi-token sequences through hal_rocm_prefill.hsaco, one-token ones through
+        # the decode kernels, in one call; strided_cache: every kernel reads cache rows through strides
         "paged_attention": OpSupport(query_dtypes=HALF, head_sizes=kernels.HEAD_SIZES,
-                                     features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales"}),  # no varlen yet
+                                     features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales",
+                                                         "varlen", "strided_cache"}),
                                      max_gqa_ratio=None, **common),
         "cache_kv": OpSupport(query_dtypes=HALF | {torch.float32}, head_sizes=CACHE_KV_HEAD_SIZES,
                               features=frozenset({"per_head_scales"}), **common),

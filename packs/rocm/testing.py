@@ -58,3 +58,13 @@ def mla_emulation(csrc: str, arch: str) -> emulator.Emulator:
         raise ValueError(f"the emulation covers gfx942 and gfx90a, not {arch}")
     lib = build.emulation_library(_tmpdir() / "wave64", fnuz_hw=arch == "gfx942", csrc=csrc, source=build.MLA_SOURCE)
     return emulator.Emulator(lib)
+
+
+@functools.cache
+def prefill_emulation(csrc: str, arch: str) -> emulator.Emulator:
+    """The CPU emulation of ``arch``'s multi-token code object (csrc/prefill_kernels.hip)."""
+    if arch not in ("gfx942", "gfx90a"):
+        raise ValueError(f"the emulation covers gfx942 and gfx90a, not {arch}")
+    lib = build.emulation_library(_tmpdir() / "wave64", fnuz_hw=arch == "gfx942", csrc=csrc,
+                                  source=build.PREFILL_SOURCE)
+    return emulator.Emulator(lib)

@@ -114,5 +114,16 @@ HAL_DEV float hal_fabsf(float x) { return __builtin_bit_cast(float, __builtin_bi
 HAL_DEV bool hal_isnan(float x) { return x != x; }
 HAL_DEV float hal_pow2i(int k) { return __builtin_bit_cast(float, (u32)(k + 127) << 23); }  // 2^k, k in [-126, 127]
 
+// LDS accessors: one typed load / store of T at an address aligned to alignof(T) (a memcpy, so the
+// host emulation does not type-pun the u16 tile, and the device compiler emits one ds_read/ds_write).
+template <class T> HAL_DEV T lds_ld(const void* p) {
+  T v;
+  __builtin_memcpy(&v, __builtin_assume_aligned(p, alignof(T)), sizeof(T));
+  return v;
+}
+template <class T> HAL_DEV void lds_st(void* p, T v) {
+  __builtin_memcpy(__builtin_assume_aligned(p, alignof(T)), &v, sizeof(T));
+}
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_inff();

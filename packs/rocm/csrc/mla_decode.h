@@ -53,17 +53,6 @@ struct MlaLds {
   f32x4 part[4][64];         // per wave: its partial S^T in the MFMA result layout
 };
 
-// LDS accessors: one typed load / store of T at an address aligned to alignof(T) (a memcpy, so the
-// host emulation does not type-pun the u16 tile, and the device compiler emits one ds_read/ds_write).
-template <class T> HAL_DEV T lds_ld(const void* p) {
-  T v;
-  __builtin_memcpy(&v, __builtin_assume_aligned(p, alignof(T)), sizeof(T));
-  return v;
-}
-template <class T> HAL_DEV void lds_st(void* p, T v) {
-  __builtin_memcpy(__builtin_assume_aligned(p, alignof(T)), &v, sizeof(T));
-}
-
 // A latent element's storage and its 16-byte loads per thread for one step (16 tokens, 16 threads a
 // token): 16-bit latents 4 x 16 B (1 KiB a token), FP8 2 x 16 B (512 B).
 template <class CACHE> struct Latent {

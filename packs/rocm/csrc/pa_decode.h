@@ -137,17 +137,20 @@ template <class T16> struct PvOperand<Cache16<T16>> { using type = T16; };
   void *__restrict__ out, float *__restrict__ tmp_out, float *__restrict__ exp_sums,                          \
       float *__restrict__ max_logits, const void *__restrict__ query, const void *__restrict__ key_cache,    \
       const void *__restrict__ value_cache, const i32 *__restrict__ block_tables,                             \
-      const i32 *__restrict__ seq_lens, const float *__restrict__ k_scale_ptr,                                \
-      const float *__restrict__ v_scale_ptr, const float *__restrict__ alibi_slopes, i64 q_stride_seq,        \
-      i64 q_stride_head, i64 o_stride_seq, i64 o_stride_head, i64 k_block_stride, i64 v_block_stride,        \
-      i64 bt_stride, float scale, float k_scale_val, float v_scale_val, float soft_cap, i32 num_kv_heads, i32 gqa_ratio,     \
-      i32 num_tiles, i32 block_size_log2, i32 sliding_window, i32 partition_size, i32 max_parts,              \
+      const i32 *__restrict__ seq_lens, const i32 *__restrict__ query_start_loc,                             \
+      const float *__restrict__ k_scale_ptr, const float *__restrict__ v_scale_ptr,                          \
+      const float *__restrict__ alibi_slopes, i64 q_stride_seq, i64 q_stride_head, i64 o_stride_seq,         \
+      i64 o_stride_head, i64 k_block_stride, i64 k_head_stride, i64 k_token_stride, i64 v_block_stride,      \
+      i64 v_head_stride, i64 v_token_stride, i64 bt_stride, float scale, float k_scale_val,                  \
+      float v_scale_val, float soft_cap, i32 num_kv_heads, i32 gqa_ratio, i32 num_tiles,                     \
+      i32 block_size_log2, i32 sliding_window, i32 partition_size, i32 max_parts,                            \
       i32 k_scale_stride, i32 v_scale_stride
 #define HAL_PA_DECODE_ARGS                                                                                    \
-  out, tmp_out, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, k_scale_ptr,    \
-      v_scale_ptr, alibi_slopes, q_stride_seq, q_stride_head, o_stride_seq, o_stride_head,                    \
-      k_block_stride, v_block_stride, bt_stride, scale, k_scale_val, v_scale_val, soft_cap, num_kv_heads, gqa_ratio,      \
-      num_tiles, block_size_log2, sliding_window, partition_size, max_parts, k_scale_stride, v_scale_stride
+  out, tmp_out, exp_sums, max_logits, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, \
+      k_scale_ptr, v_scale_ptr, alibi_slopes, q_stride_seq, q_stride_head, o_stride_seq, o_stride_head,       \
+      k_block_stride, k_head_stride, k_token_stride, v_block_stride, v_head_stride, v_token_stride,          \
+      bt_stride, scale, k_scale_val, v_scale_val, soft_cap, num_kv_heads, gqa_ratio, num_tiles,              \
+      block_size_log2, sliding_window, partition_size, max_parts, k_scale_stride, v_scale_stride
 
 template <class Q, class CACHE, int D>
 HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
@@ -165,6 +168,13 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
   const int kvh = z / num_tiles, tile_g = z % num_tiles;
   const int tid = (int)hal_tid(), lane = (int)hal_lane(), wave = (int)hal_wave();
   const int r = lane >> 4, c16 = lane & 15;
+  // qrow: the sequence's query (and output) row. With query_start_loc (a mixed batch) only sequences
+  // of exactly one query token are this kernel's; pa_prefill.h takes the others in the same call.
+  int qrow = seq;
+  if (query_start_loc) {
+    qrow = hal_ld(query_start_loc + seq);
+    if (hal_ld(query_start_loc + seq + 1) - qrow != 1) return;  // workgroup-uniform
+  }
   const int L = hal_ld(seq_lens + seq);
   const int first = sliding_window > 0 && L > sliding_window ? L - sliding_window : 0;
   const int first_part = first / partition_size;
@@ -176,7 +186,7 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
   if (part >= nparts) {
     if (part == 0) {  // empty sequence: a row of zeros
       for (int i = tid; i < nh * D; i += 256)
-        hal_st(static_cast<u16*>(out) + seq * o_stride_seq + (head0 + i / D) * o_stride_head + i % D, (u16)0);
+        hal_st(static_cast<u16*>(out) + qrow * o_stride_seq + (head0 + i / D) * o_stride_head + i % D, (u16)0);
     }
     return;
   }
@@ -195,12 +205,12 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
   // Q as the B operand of QK: chunk c = f*(E/4) + cc holds d = 4E*f + E*r + 4*cc + e.
   u16x4 qb[NC];
   {
-    const u16* qrow = static_cast<const u16*>(query) + seq * q_stride_seq + (head0 + c16) * q_stride_head;
+    const u16* qptr = static_cast<const u16*>(query) + (i64)qrow * q_stride_seq + (head0 + c16) * q_stride_head;
     #pragma unroll
     for (int f = 0; f < NF; ++f) {
       u32 w[E / 2];
       if (head_ok) {
-        load_words<E / 2>(qrow + 4 * E * f + E * r, w);
+        load_words<E / 2>(qptr + 4 * E * f + E * r, w);
       } else {
         #pragma unroll
         for (int i = 0; i < E / 2; ++i) w[i] = 0;
@@ -210,9 +220,10 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
     }
   }
 
-  const CE* kc = static_cast<const CE*>(key_cache) + (i64)kvh * bs * D;
+  // cache rows through their strides (an NHD cache's HND view too); the head dimension is contiguous
+  const CE* kc = static_cast<const CE*>(key_cache) + (i64)kvh * k_head_stride;
   // this wave's quarter of the head dimension; lane row c16 of PV MFMA m is d = D/4*wave + VD*c16 + m
-  const CE* vc = static_cast<const CE*>(value_cache) + (i64)kvh * bs * D + (D / 4) * wave + VD * c16;
+  const CE* vc = static_cast<const CE*>(value_cache) + (i64)kvh * v_head_stride + (D / 4) * wave + VD * c16;
   float m_run = kNegInf, l_run = 0.0f;
   f32x4 acc[VD];
   #pragma unroll
@@ -234,7 +245,7 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
       // Tokens outside [t_begin, t_end) have block 0 (my_blk), a block of the cache: their K is read
       // from there (never through the block table's junk entries) and their logits are masked below.
       u32 kw[NF][4];
-      const CE* krow = kc + (i64)blk * k_block_stride + (tok & (bs - 1)) * D;
+      const CE* krow = kc + (i64)blk * k_block_stride + (i64)(tok & (bs - 1)) * k_token_stride;
       #pragma unroll
       for (int f = 0; f < NF; ++f) load_words<4>(krow + 4 * E * f + E * r, kw[f]);
       f32x4 c = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -298,7 +309,7 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * T + 4 * r + e, tok = c0 + i;
         if (tok >= t_begin && tok < t_end) {
-          load_run<CE, VD>(vc + (i64)lds.blk[i] * v_block_stride + (tok & (bs - 1)) * D, vt[e]);
+          load_run<CE, VD>(vc + (i64)lds.blk[i] * v_block_stride + (i64)(tok & (bs - 1)) * v_token_stride, vt[e]);
         } else {
           #pragma unroll
           for (int j = 0; j < VW; ++j) vt[e][j] = 0;
@@ -328,7 +339,7 @@ HAL_DEV void decode(HAL_PA_DECODE_PARAMS) {
     for (int e = 0; e < 4; ++e)
       #pragma unroll
       for (int m = 0; m < VD; ++m) o[VD * e + m] = Q::from_f32(acc[m][e] * k);
-    store_run<D / 16>(static_cast<u16*>(out) + seq * o_stride_seq + head * o_stride_head + d0, o);
+    store_run<D / 16>(static_cast<u16*>(out) + (i64)qrow * o_stride_seq + head * o_stride_head + d0, o);
   } else {
     const i64 row = ((i64)seq * num_heads + head) * max_parts + part;
     u32 w[D / 16];

@@ -29,17 +29,23 @@ HAL_DEV float block_sum(float v, float* slots) {
 
 #define HAL_PA_REDUCE_PARAMS                                                                            \
   void *__restrict__ out, const float *__restrict__ tmp_out, const float *__restrict__ exp_sums,        \
-      const float *__restrict__ max_logits, const i32 *__restrict__ seq_lens, i64 o_stride_seq,         \
+      const float *__restrict__ max_logits, const i32 *__restrict__ seq_lens,                           \
+      const i32 *__restrict__ query_start_loc, i64 o_stride_seq,                                        \
       i64 o_stride_head, i32 num_heads, i32 head_size, i32 sliding_window, i32 partition_size,          \
       i32 max_parts
 #define HAL_PA_REDUCE_ARGS                                                                              \
-  out, tmp_out, exp_sums, max_logits, seq_lens, o_stride_seq, o_stride_head, num_heads, head_size,      \
+  out, tmp_out, exp_sums, max_logits, seq_lens, query_start_loc, o_stride_seq, o_stride_head, num_heads, head_size,      \
       sliding_window, partition_size, max_parts
 
 // grid (num_heads, num_seqs); head_size divides 256.
 template <class O> HAL_DEV void reduce(HAL_PA_REDUCE_PARAMS) {
   HAL_SHARED(ReduceLds, lds);
   const int head = (int)hal_bid_x(), seq = (int)hal_bid_y(), t = (int)hal_tid();
+  int qrow = seq;  // as in pa_decode.h: with query_start_loc, only one-token sequences are ours
+  if (query_start_loc) {
+    qrow = hal_ld(query_start_loc + seq);
+    if (hal_ld(query_start_loc + seq + 1) - qrow != 1) return;
+  }
   const int L = hal_ld(seq_lens + seq);
   const int first = sliding_window > 0 && L > sliding_window ? L - sliding_window : 0;
   const int first_part = first / partition_size;
@@ -70,7 +76,7 @@ template <class O> HAL_DEV void reduce(HAL_PA_REDUCE_PARAMS) {
   if (t < D) {
     float x = 0.0f;
     for (int i = 0; i < G; ++i) x += lds.part[i * D + t];
-    hal_st(static_cast<u16*>(out) + seq * o_stride_seq + head * o_stride_head + t, O::from_f32(x / lsum));
+    hal_st(static_cast<u16*>(out) + (i64)qrow * o_stride_seq + head * o_stride_head + t, O::from_f32(x / lsum));
   }
 }
 
