@@ -221,7 +221,10 @@ def test_the_cache_holds_the_model_s_latent_and_rotary_key(device):
         # elsewhere and flip a byte, hence 99.9%
         same = (have_c.view(torch.uint8) == want.view(torch.uint8)).float().mean()
         assert same > 0.999, f"{1 - same:.2%} of the latent's bytes differ"
-        torch.testing.assert_close(have_p.float(), rope.to(torch.bfloat16).float(), rtol=2 ** -8, atol=1e-6)
+        # the rotary key in bf16: equal where both paths' float32 values round alike; where batch 2 and
+        # batch 1 round a float32 matmul apart (on the H200: 1 element of 896), one bf16 ulp, which is
+        # up to 2^-7 relative at the bottom of a binade
+        torch.testing.assert_close(have_p.float(), rope.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

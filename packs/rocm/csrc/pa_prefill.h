@@ -114,8 +114,17 @@ template <class Q, class CACHE, int D> HAL_DEV void prefill(HAL_PA_PREFILL_PARAM
             sliding_window, kv_lo, kv_hi);
   const int wr0 = row0 + 16 * wave, wr1 = (wr0 + 16 < rows ? wr0 + 16 : rows) - 1;
   const bool wave_rows = wr0 < rows;
-  int w_lo = 0, w_hi = 0;  // what this wave's rows need
+  int w_lo = 0, w_hi = 0;  // what this wave's rows need (the union of their ranges)
   if (wave_rows) key_range(wr0, wr1, G, L, qlen, causal, sliding_window, w_lo, w_hi);
+  // the intersection of the wave's valid rows' ranges: keys every one of them attends to
+  int w_lo_all = 0, w_hi_all = 0;
+  if (wave_rows) {
+    int lo0, hi0, lo1, hi1;
+    key_range(wr0, wr0, G, L, qlen, causal, sliding_window, lo0, hi0);
+    key_range(wr1, wr1, G, L, qlen, causal, sliding_window, lo1, hi1);
+    w_lo_all = lo1;  // the last row's window starts last
+    w_hi_all = hi0;  // the first row's causal limit comes first
+  }
 
   // this lane's row (the B column c16 of its wave's S^T and O^T)
   const int row = wr0 + c16;
@@ -199,6 +208,8 @@ template <class Q, class CACHE, int D> HAL_DEV void prefill(HAL_PA_PREFILL_PARAM
       #pragma unroll
       for (int c = 0; c < NC; ++c) st[j] = Q::mfma(lds_ld<u16x4>(krow + 16 * c), qb[c], st[j]);
     }
+    // wave-uniform: every key of the step inside every row's range (most steps of a long prefill)
+    const bool inside = s >= w_lo_all && s + N <= w_hi_all;
     float mx = kNegInf;
     #pragma unroll
     for (int j = 0; j < J; ++j)
@@ -207,8 +218,9 @@ template <class Q, class CACHE, int D> HAL_DEV void prefill(HAL_PA_PREFILL_PARAM
         const int pos = s + 16 * j + 4 * r + e;
         float x = st[j][e] * qk_scale;
         if (soft_cap > 0) x = soft_cap * tanh_f32(x * inv_cap);
-        x = (x + slope * (float)(pos - pos_q)) * kLog2e;
-        if (pos < lo || pos >= hi) x = kNegInf;
+        if (alibi_slopes) x += slope * (float)(pos - pos_q);
+        x *= kLog2e;
+        if (!inside && (pos < lo || pos >= hi)) x = kNegInf;
         st[j][e] = x;
         mx = hal_fmaxf(mx, x);
       }
