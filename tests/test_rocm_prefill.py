@@ -367,3 +367,26 @@ def test_misaligned_cache_is_an_error_naming_it():
     kc = raw[4:4 + case.key_cache.numel()].view(case.key_cache.shape).copy_(case.key_cache)
     with pytest.raises(ValueError, match="key_cache must start on a 16-byte boundary"):
         rocm_varlen(sims, case, key_cache=kc)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_kv_writes_nhd_views_as_emu_does(arch):
+    """cache_kv into an NHD cache's HND view: the same bytes as the emu pack writes through the view."""
+    from cases import cache_write_call
+    sims = _emulations(arch)
+    gen = torch.Generator().manual_seed(15)
+    nb, hkv, bs, d, t = 5, 3, 8, 64, 30
+    cache = _native_fp8(arch)
+    key, value = (torch.randn(t, hkv, d, generator=gen) * 3 for _ in range(2))
+    slots = torch.randperm(nb * bs, generator=gen)[:t].to(torch.int64)
+    got = []
+    for who in ("rocm", "emu"):
+        nhd = [torch.full((nb, bs, hkv, d), 0x55, dtype=torch.uint8).view(cache) for _ in range(2)]
+        kc, vc = (c.permute(0, 2, 1, 3) for c in nhd)
+        if who == "rocm":
+            ops.cache_kv(emulator.EmulatorBackend(sims[1]), cache_write_call(key, value, kc, vc, slots, 0.02, 0.03))
+        else:
+            hal.cache_kv(key, value, kc, vc, slots, k_scale=0.02, v_scale=0.03, pack="emu")
+        got.append([c.view(torch.uint8).clone() for c in nhd])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    assert not torch.equal(got[0][0], torch.full_like(got[0][0], 0x55))

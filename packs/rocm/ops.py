@@ -35,12 +35,14 @@ def _rows(t: torch.Tensor, nbytes: int) -> torch.Tensor:
     return c.copy_(t)
 
 
-def _check_cache(name: str, c: torch.Tensor) -> None:
-    if not _aligned(c, 16, (0, 1, 2)):
-        raise ValueError(f"rocm pack: {name} must start on a 16-byte boundary with its blocks, heads and tokens "
-                         f"16-byte aligned (data_ptr % 16 = {c.data_ptr() % 16}, strides {tuple(c.stride())} x "
-                         f"{c.element_size()} bytes); allocate it with torch.empty or view it from an aligned "
-                         f"allocation (an NHD cache's permute(0, 2, 1, 3) view is fine)")
+def _check_cache(name: str, c: torch.Tensor, rows: int = 16) -> None:
+    """A cache's start and blocks on 16-byte boundaries, its head and token rows on ``rows``-byte ones
+    (the kernels' vector accesses: 16-byte loads in attention, 4-element stores in cache_kv)."""
+    if not (_aligned(c, 16, (0,)) and _aligned(c, rows, (1, 2))):
+        raise ValueError(f"rocm pack: {name} must start on a 16-byte boundary with its blocks 16-byte and its heads "
+                         f"and tokens {rows}-byte aligned (data_ptr % 16 = {c.data_ptr() % 16}, strides "
+                         f"{tuple(c.stride())} x {c.element_size()} bytes); allocate it with torch.empty or view it "
+                         f"from an aligned allocation (an NHD cache's permute(0, 2, 1, 3) view is fine)")
 
 
 def _scale_args(s, prefix: str) -> dict:
@@ -146,7 +148,7 @@ def _cache_kv(backend, key, value, key_cache, value_cache, slot_mapping, k_scale
     if d % 4:
         raise ValueError(f"rocm pack: cache_kv needs head_size % 4 == 0, got {d}")
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _check_cache(name, c)
+        _check_cache(name, c, 4 * c.element_size())  # 4 elements a store
     group = 4 * key.element_size()  # the kernel reads 4 elements at a time
     k, v = _rows(key, group), _rows(value, group)
     slots = slot_mapping.contiguous()
@@ -156,8 +158,9 @@ def _cache_kv(backend, key, value, key_cache, value_cache, slot_mapping, k_scale
         "key": k.data_ptr(), "value": v.data_ptr(), "key_cache": key_cache.data_ptr(),
         "value_cache": value_cache.data_ptr(), "slot_mapping": slots.data_ptr(),
         "k_stride_tok": k.stride(0), "k_stride_head": k.stride(1), "v_stride_tok": v.stride(0),
-        "v_stride_head": v.stride(1), "k_block_stride": key_cache.stride(0), "v_block_stride": value_cache.stride(0),
-        "num_slots": nb * bs, "num_kv_heads": hkv, "head_size": d, "block_size": bs,
+        "v_stride_head": v.stride(1), "k_block_stride": key_cache.stride(0), "k_head_stride": key_cache.stride(1),
+        "k_token_stride": key_cache.stride(2), "v_block_stride": value_cache.stride(0),
+        "v_head_stride": value_cache.stride(1), "v_token_stride": value_cache.stride(2), "num_slots": nb * bs, "num_kv_heads": hkv, "head_size": d, "block_size": bs,
         **_scale_args(ks, "k_scale"), **_scale_args(vs, "v_scale"),
     }
     touched = [k, v, key_cache, value_cache, slots] + [s for s in (ks, vs) if isinstance(s, torch.Tensor)]

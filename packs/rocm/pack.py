@@ -80,7 +80,7 @@ def supports_for(arch: str) -> dict[str, OpSupport]:
                                                          "varlen", "strided_cache"}),
                                      max_gqa_ratio=None, **common),
         "cache_kv": OpSupport(query_dtypes=HALF | {torch.float32}, head_sizes=CACHE_KV_HEAD_SIZES,
-                              features=frozenset({"per_head_scales"}), **common),
+                              features=frozenset({"per_head_scales", "strided_cache"}), **common),
         # R 512, P 64; any head count and query tokens a sequence (rows = tokens x heads, 16 or 32 a
         # workgroup); the rotary part in the query's dtype (reasons() says so), latent rows 16-byte aligned
         "mla_decode": OpSupport(query_dtypes=HALF, head_sizes=MLA_LATENT, rope_dims=MLA_ROPE,

@@ -48,13 +48,15 @@ template <class T16> struct Writer<Cache16<T16>> {
   const void *__restrict__ key, const void *__restrict__ value, void *__restrict__ key_cache,               \
       void *__restrict__ value_cache, const i64 *__restrict__ slot_mapping,                                 \
       const float *__restrict__ k_scale_ptr, const float *__restrict__ v_scale_ptr, i64 k_stride_tok,       \
-      i64 k_stride_head, i64 v_stride_tok, i64 v_stride_head, i64 k_block_stride, i64 v_block_stride,       \
+      i64 k_stride_head, i64 v_stride_tok, i64 v_stride_head, i64 k_block_stride, i64 k_head_stride,        \
+      i64 k_token_stride, i64 v_block_stride, i64 v_head_stride, i64 v_token_stride,                        \
       i64 num_slots,                                                                                         \
       float k_scale_val, float v_scale_val, i32 num_kv_heads, i32 head_size, i32 block_size,                \
       i32 k_scale_stride, i32 v_scale_stride
 #define HAL_CACHE_KV_ARGS                                                                                   \
   key, value, key_cache, value_cache, slot_mapping, k_scale_ptr, v_scale_ptr, k_stride_tok, k_stride_head,  \
-      v_stride_tok, v_stride_head, k_block_stride, v_block_stride, num_slots, k_scale_val, v_scale_val, num_kv_heads,   \
+      v_stride_tok, v_stride_head, k_block_stride, k_head_stride, k_token_stride, v_block_stride,            \
+      v_head_stride, v_token_stride, num_slots, k_scale_val, v_scale_val, num_kv_heads,                       \
       head_size, block_size, k_scale_stride, v_scale_stride
 
 // grid (num_tokens); head_size is a multiple of 4.
@@ -67,18 +69,20 @@ template <class IN, class CACHE> HAL_DEV void cache_kv(HAL_CACHE_KV_PARAMS) {
   const int groups = num_kv_heads * head_size / 4;
   for (int gi = (int)hal_tid(); gi < groups; gi += 256) {
     const int h = 4 * gi / head_size, d = 4 * gi % head_size;
-    const i64 in_block = ((i64)h * block_size + off) * head_size + d;
+    // cache rows through their strides (an NHD cache's HND view too); the head dimension is contiguous
+    const i64 k_at = blk * k_block_stride + (i64)h * k_head_stride + (i64)off * k_token_stride + d;
+    const i64 v_at = blk * v_block_stride + (i64)h * v_head_stride + (i64)off * v_token_stride + d;
     float x[4], q[4];
     Input<IN>::load4(static_cast<const char*>(key) + (tok * k_stride_tok + h * k_stride_head + d) * Input<IN>::kBytes, x);
     const float ks = k_scale_ptr ? hal_ld(k_scale_ptr + h * k_scale_stride) : k_scale_val;
     #pragma unroll
     for (int i = 0; i < 4; ++i) q[i] = x[i] / ks;  // IEEE division, as hal.fp8 defines the write
-    Writer<CACHE>::store4(key_cache, blk * k_block_stride + in_block, q);
+    Writer<CACHE>::store4(key_cache, k_at, q);
     Input<IN>::load4(static_cast<const char*>(value) + (tok * v_stride_tok + h * v_stride_head + d) * Input<IN>::kBytes, x);
     const float vs = v_scale_ptr ? hal_ld(v_scale_ptr + h * v_scale_stride) : v_scale_val;
     #pragma unroll
     for (int i = 0; i < 4; ++i) q[i] = x[i] / vs;
-    Writer<CACHE>::store4(value_cache, blk * v_block_stride + in_block, q);
+    Writer<CACHE>::store4(value_cache, v_at, q);
   }
 }
 
