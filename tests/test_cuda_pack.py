@@ -38,7 +38,7 @@ def test_declaration_is_data():
     assert torch.float8_e4m3fn in s.cache_dtypes and torch.float8_e4m3fnuz not in s.cache_dtypes
     assert set(s.head_sizes) >= {64, 80, 96, 112, 128, 192, 256}
     assert set(s.block_sizes) >= {8, 16, 32, 64, 128}
-    assert {"alibi", "soft_cap", "sliding_window", "per_head_scales"} <= s.features
+    assert {"alibi", "soft_cap", "sliding_window", "per_head_scales", "strided_cache"} <= s.features
 
 
 def test_fnuz_goes_to_emu_with_a_reason(monkeypatch):
@@ -86,7 +86,7 @@ def test_launcher_names_an_inconsistent_warp_rows_request():
     except ImportError:
         pytest.skip("the compiled module is not built here (no nvcc at install time)")
     # 16 query heads per KV head in one 16-head tile (head_tiles=1), with warp rows asked for
-    args = [2, 128] + [0] * 11 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1, 0]
+    args = [2, 128] + [0] * 11 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1] + [0] * 4 + [0]
     with pytest.raises(ValueError, match=r"warp_rows=1 needs one 8-head tile per CTA .*got head_tiles=1"):
         _C.paged_attention(*args)
 
@@ -239,6 +239,53 @@ def test_warp_rows_over_a_split_context(window, monkeypatch):
     monkeypatch.setattr(launch, "plan", lambda *a, **k: (1024, 9, True))
     _check(case, max_seq_len=9000)
     assert seen and all(seen)
+
+
+def _nhd(c: torch.Tensor) -> torch.Tensor:
+    """The HND view of an NHD copy of ``c``: what an engine holding [blocks, block_size, kv_heads, d] passes."""
+    return c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+@gpu
+@pytest.mark.parametrize("head_size", (64, 128, 256))
+@pytest.mark.parametrize("cache", (torch.bfloat16, *FP8_CACHES), ids=str)
+def test_nhd_cache_views_give_the_hnd_bits(cache, head_size):
+    """Decode over NHD views (token stride kv_heads x d): served by the cuda pack (no fallback), bit for
+    bit the HND cache's result, one-pass and split-K, GQA 4 and 16 (one and two head tiles)."""
+    for heads, kv, lens in ((16, 4, [1, 0, 33, 129, 300]), (32, 2, [9000, 77])):
+        case = make_case(seq_lens=lens, num_heads=heads, num_kv_heads=kv, head_size=head_size, cache_dtype=cache,
+                         query_dtype=_query_for(cache), device="cuda", seed=head_size + heads)
+        kc, vc = _nhd(case.key_cache), _nhd(case.value_cache)
+        assert not kc.is_contiguous()
+        d = hal.explain(case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=case.k_scale,
+                        v_scale=case.v_scale)
+        assert d.pack.NAME == "cuda" and not d.fallback, d.text()
+        dense = _run(case)
+        out = case.poisoned_out()
+        hal.paged_attention(case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=case.k_scale,
+                            v_scale=case.v_scale, out=out, pack="cuda")
+        assert torch.equal(out, dense)
+        ok, msg = gpu_tolerance_ok(out, case.reference())
+        assert ok, msg
+
+
+@gpu
+@pytest.mark.parametrize("cache", (torch.bfloat16, torch.float8_e4m3fn), ids=str)
+def test_cache_kv_into_nhd_views(cache):
+    g = torch.Generator().manual_seed(8)
+    nb, hkv, bs, d, t = 7, 4, 16, 128, 50
+    base = torch.full((nb, bs, hkv, d), 0x33, dtype=torch.uint8).view(cache) if hal.fp8.is_fp8(cache) \
+        else torch.full((nb, bs, hkv, d), 0.25, dtype=cache)
+    k = (torch.randn(t, hkv, d, generator=g) * 3).cuda()
+    v = torch.randn(t, hkv, d, generator=g).cuda()
+    slots = torch.randperm(nb * bs, generator=g)[:t].cuda()
+    got = []
+    for pack in ("cuda", "emu"):
+        kn, vn = base.clone().cuda(), base.clone().cuda()
+        hal.cache_kv(k, v, kn.permute(0, 2, 1, 3), vn.permute(0, 2, 1, 3), slots, k_scale=0.02, v_scale=0.03,
+                     pack=pack)
+        got.append([x.view(torch.uint8 if hal.fp8.is_fp8(cache) else torch.int16) for x in (kn, vn)])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
 @gpu

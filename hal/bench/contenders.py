@@ -95,6 +95,31 @@ def _hal(pack: str | None):
     return setup
 
 
+def nhd_caches(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The problem's caches as an engine holding NHD [blocks, block_size, kv_heads, d] passes them: the
+    permute(0, 2, 1, 3) views of NHD copies (the same values; made once per problem)."""
+    if "nhd" not in p.extra:
+        p.extra["nhd"] = tuple(c.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+                               for c in (p.key_cache, p.value_cache))
+    return p.extra["nhd"]
+
+
+def _hal_nhd(p: Problem, opts: dict) -> Prepared:
+    """As ``hal`` (automatic dispatch), over the NHD views of the same caches: a strided cache's cost."""
+    if p.op != DECODE:
+        raise Skip("decode problems only")
+    kc, vc = nhd_caches(p)
+    decision = hal.explain(p.query, kc, vc, p.block_tables, p.seq_lens, scale=p.scale, k_scale=p.k_scale,
+                           v_scale=p.v_scale, max_seq_len=p.max_seq_len)
+    if decision.pack is None:
+        raise Skip("cannot serve this call")
+    out = torch.empty_like(p.query)
+    kw = dict(scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len, out=out)
+    q, bt, sl = p.query, p.block_tables, p.seq_lens
+    return Prepared(lambda: hal.paged_attention(q, kc, vc, bt, sl, **kw), out,
+                    f"NHD views, dispatched to {decision.pack.NAME}" + (" (fallback)" if decision.fallback else ""))
+
+
 def _hal_plan(p: Problem, opts: dict) -> Prepared:
     """The plan made here (validation, dispatch, launch planning: not timed); each timed call is one
     ``plan.run`` with the problem's per-layer tensors."""
@@ -218,7 +243,9 @@ def all_contenders() -> list[Contender]:
     out = [Contender("hal", "hal", "hal.paged_attention / hal.mla_decode, automatic dispatch", _hal(None),
                      ops=EVERY_OP),
            Contender("hal-plan", "hal", "hal.plan once (not timed), then plan.run per call, automatic dispatch",
-                     _hal_plan, ops=EVERY_OP)]
+                     _hal_plan, ops=EVERY_OP),
+           Contender("hal-nhd", "hal", "hal.paged_attention over NHD cache views (permute(0, 2, 1, 3) of NHD "
+                     "copies), automatic dispatch", _hal_nhd, ops=frozenset({DECODE}))]
     for p in hal.packs():
         if p.NAME != "emu":
             out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention / hal.mla_decode(pack={p.NAME!r})",

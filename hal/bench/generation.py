@@ -114,8 +114,8 @@ def measure(model, *, batch: int, prompt: int, steps: int = 32, reps: int = 3, c
             fn(prompts, 1 + steps)  # warm-up: compiles, allocates, captures
             per = []
             for _ in range(reps):
-                one = _time(lambda: fn(prompts, 1), device)
-                many = _time(lambda: fn(prompts, 1 + steps), device)
+                one = _time(lambda fn=fn: fn(prompts, 1), device)
+                many = _time(lambda fn=fn: fn(prompts, 1 + steps), device)
                 per.append((many - one) / steps)
         ms = statistics.median(per) * 1e3
         rows.append(Row(name, "model dtype" if mode == "stock" else cache, batch, prompt, mode, ms, batch / ms * 1e3))

@@ -116,6 +116,10 @@ SETS: dict[str, tuple[str, ...]] = {
         # block size 64
         "64x4096x32x8x128:b64", "32x8192x64x8x128:b64:ragged",
     ),
+    # the plan/run issue's decode gaps: GQA 16, one sequence at 128K and a small batch at 8K (split-K
+    # decides), heads 64 and 256 at page 64 (add --contenders hal hal-nhd for strided caches)
+    "decode-gaps": ("32x8192x128x8x128", "1x131072x32x8x128", "4x8192x32x8x128", "32x8192x32x8x64:b64",
+                    "32x8192x32x8x256:b64", "64x4096x32x8x128:b64"),
     # small enough to finish in seconds on a 2-core CPU (emu torch path vs the PyTorch baseline)
     "cpu": ("4x1024x32x8x128", "8x512x16x4x64", "8x1024x32x8x128:ragged", "2x4096x32x4x128:b64"),
     # seconds on a CPU: every decode code path (uniform, ragged, block 32)

@@ -59,6 +59,18 @@ def _scale(s) -> tuple[float, int, int]:
     return float(s), 0, 0
 
 
+def _row_strides(cache: torch.Tensor, name: str, align: int = 16) -> tuple[int, int]:
+    """(head stride, token stride) of a [blocks, kv_heads, block_size, D] cache in bytes: HND dense or
+    any strided view (an NHD cache's permute(0, 2, 1, 3)); the kernels' vector accesses need rows on
+    ``align``-byte boundaries (16: attention's loads; 4: cache_kv's two-element stores)."""
+    e = cache.element_size()
+    hs, ts = cache.stride(1) * e, cache.stride(2) * e
+    if hs % align or ts % align:
+        raise ValueError(f"cuda pack: {name} needs its heads and tokens on {align}-byte boundaries (strides "
+                         f"{tuple(cache.stride())} x {e} bytes); view it from an aligned allocation or pass pack='emu'")
+    return hs, ts
+
+
 def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                           alibi_slopes, logits_soft_cap, sliding_window, max_seq_len):
     """``(arguments of _C.paged_attention but the stream, workspace tensors)`` of one decode launch,
@@ -89,7 +101,7 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
         value_cache.stride(0) * elem, block_tables.stride(0), scale, ks, vs,
         0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss, n, h, hkv, head_tiles, bs,
         size, parts, 0 if sliding_window is None else sliding_window, int(query.dtype == torch.bfloat16),
-        int(wrows)]
+        int(wrows), *_row_strides(key_cache, "key_cache"), *_row_strides(value_cache, "value_cache")]
     return args, workspace
 
 
@@ -114,7 +126,8 @@ def _cache_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_
     return [KINDS[key_cache.dtype], INPUTS[key.dtype], key.data_ptr(), value.data_ptr(), key_cache.data_ptr(),
             value_cache.data_ptr(), slot_mapping.data_ptr(), ksp, vsp, key.stride(0), key.stride(1),
             value.stride(0), value.stride(1), key_cache.stride(0) * elem, value_cache.stride(0) * elem, ks, vs, kss,
-            vss, key.shape[0], hkv, d, bs, nb]
+            vss, key.shape[0], hkv, d, bs, nb, *_row_strides(key_cache, "key_cache", 4),
+            *_row_strides(value_cache, "value_cache", 4)]
 
 
 def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:

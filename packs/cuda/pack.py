@@ -35,7 +35,8 @@ PAGED_ATTENTION = OpSupport(
     head_sizes=HEAD_SIZES,
     block_sizes=BLOCK_SIZES,
     devices=frozenset({"cuda"}),
-    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales"}),  # no varlen yet
+    # strided_cache: K/V rows read through their head and token strides (an NHD cache's HND view)
+    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales", "strided_cache"}),  # no varlen yet
     max_gqa_ratio=None,
     cache_dtype_notes=_NOTES,
 )
@@ -45,7 +46,7 @@ CACHE_KV = OpSupport(
     head_sizes=HEAD_SIZES,
     block_sizes=BLOCK_SIZES,
     devices=frozenset({"cuda"}),
-    features=frozenset({"per_head_scales"}),
+    features=frozenset({"per_head_scales", "strided_cache"}),
     cache_dtype_notes=_NOTES,
 )
 

@@ -40,7 +40,8 @@ PYBIND11_MODULE(_C, m) {
            int64_t q_stride0, int64_t q_stride1, int64_t out_stride0, int64_t out_stride1, int64_t k_stride0,
            int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
            int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int head_tiles,
-           int block_size, int partition_size, int num_parts, int window, int q_is_bf16, int warp_rows, std::uintptr_t stream) {
+           int block_size, int partition_size, int num_parts, int window, int q_is_bf16, int warp_rows,
+           int64_t k_head_stride, int64_t k_row, int64_t v_head_stride, int64_t v_row, std::uintptr_t stream) {
           DecodeParams p{};
           p.out = ptr<void>(out);
           p.query = ptr<const void>(query);
@@ -55,6 +56,7 @@ PYBIND11_MODULE(_C, m) {
           p.part_ml = ptr<float>(part_ml);
           p.q_stride0 = q_stride0; p.q_stride1 = q_stride1; p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
           p.k_stride0 = k_stride0; p.v_stride0 = v_stride0; p.bt_stride0 = bt_stride0;
+          p.k_head_stride = k_head_stride; p.k_row = k_row; p.v_head_stride = v_head_stride; p.v_row = v_row;
           p.scale = scale; p.k_scale = k_scale; p.v_scale = v_scale; p.soft_cap = soft_cap;
           p.k_scale_stride = k_scale_stride; p.v_scale_stride = v_scale_stride;
           p.num_seqs = num_seqs; p.num_heads = num_heads; p.num_kv_heads = num_kv_heads;
@@ -92,7 +94,8 @@ PYBIND11_MODULE(_C, m) {
            std::uintptr_t v_scale_ptr, int64_t key_stride0, int64_t key_stride1, int64_t value_stride0,
            int64_t value_stride1, int64_t k_stride0, int64_t v_stride0, float k_scale, float v_scale,
            int k_scale_stride, int v_scale_stride, int num_tokens, int num_kv_heads, int head_size, int block_size,
-           int num_blocks, std::uintptr_t stream) {
+           int num_blocks, int64_t k_head_stride, int64_t k_row, int64_t v_head_stride, int64_t v_row,
+           std::uintptr_t stream) {
           CacheParams p{};
           p.key = ptr<const void>(key); p.value = ptr<const void>(value);
           p.key_cache = ptr<uint8_t>(key_cache); p.value_cache = ptr<uint8_t>(value_cache);
@@ -101,6 +104,7 @@ PYBIND11_MODULE(_C, m) {
           p.key_stride0 = key_stride0; p.key_stride1 = key_stride1;
           p.value_stride0 = value_stride0; p.value_stride1 = value_stride1;
           p.k_stride0 = k_stride0; p.v_stride0 = v_stride0;
+          p.k_head_stride = k_head_stride; p.k_row = k_row; p.v_head_stride = v_head_stride; p.v_row = v_row;
           p.k_scale = k_scale; p.v_scale = v_scale; p.k_scale_stride = k_scale_stride; p.v_scale_stride = v_scale_stride;
           p.num_tokens = num_tokens; p.num_kv_heads = num_kv_heads; p.head_size = head_size;
           p.block_size = block_size; p.num_blocks = num_blocks;

@@ -33,13 +33,12 @@ __global__ void cache_kv_kernel(const CacheParams p) {
   const int64_t slot = p.slot_mapping[tok];
   if (slot < 0 || slot >= (int64_t)p.num_blocks * p.block_size) return;
   const int64_t blk = slot / p.block_size, off = slot % p.block_size;
-  const int64_t row = ((int64_t)h * p.block_size + off) * p.head_size * Traits<K>::kBytes;
   const float ks = p.k_scale_ptr ? p.k_scale_ptr[h * p.k_scale_stride] : p.k_scale;
   const float vs = p.v_scale_ptr ? p.v_scale_ptr[h * p.v_scale_stride] : p.v_scale;
   write_row<K>(reinterpret_cast<const In*>(p.key) + tok * p.key_stride0 + h * p.key_stride1,
-               p.key_cache + blk * p.k_stride0 + row, p.head_size, ks);
+               p.key_cache + blk * p.k_stride0 + h * p.k_head_stride + off * p.k_row, p.head_size, ks);
   write_row<K>(reinterpret_cast<const In*>(p.value) + tok * p.value_stride0 + h * p.value_stride1,
-               p.value_cache + blk * p.v_stride0 + row, p.head_size, vs);
+               p.value_cache + blk * p.v_stride0 + h * p.v_head_stride + off * p.v_row, p.head_size, vs);
 }
 
 template <Kind K>

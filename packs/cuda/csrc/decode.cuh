@@ -78,9 +78,10 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   const int rows = min(8 * NH, p.gqa - tile * 8 * NH);   // query heads in this tile
   const int head0 = kvh * p.gqa + tile * 8 * NH;
 
-  const int64_t head_off = (int64_t)kvh * p.block_size * D * LY::kBpe;
+  // cache rows through their strides (bytes): an NHD cache's HND view reads as the HND cache does
+  const int64_t k_head = (int64_t)kvh * p.k_head_stride, v_head = (int64_t)kvh * p.v_head_stride;
   const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
-  constexpr int64_t kRow = (int64_t)D * LY::kBpe;  // bytes per token row of one head
+  const int64_t kRow = p.k_row, vRow = p.v_row;  // bytes between token rows of one head
 
   // ---- this warp's token range ----
   const int quarter = wrows ? p.partition_size : p.partition_size / kWarps;
@@ -119,13 +120,13 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   auto load_step = [&](int u, int s0) {
     if (lean_pages && s0 >= first && s0 + kStep <= w1) {
       const int64_t blk = nb[u];
-      const int64_t row0 = head_off + (int64_t)(s0 & (p.block_size - 1)) * kRow;
-      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + row0;
-      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + row0;
+      const int64_t off = s0 & (p.block_size - 1);
+      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + k_head + off * kRow;
+      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + v_head + off * vRow;
       LY::load_k_row(kp + g * kRow, t, kr[u][0]);
       LY::load_k_row(kp + (g + 8) * kRow, t, kr[u][1]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) LY::load_v_row(vp + (2 * t + (i & 1) + 8 * (i >> 1)) * kRow, g, vr[u][i]);
+      for (int i = 0; i < 4; ++i) LY::load_v_row(vp + (2 * t + (i & 1) + 8 * (i >> 1)) * vRow, g, vr[u][i]);
       return;
     }
 #pragma unroll
@@ -133,9 +134,9 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
       const int s8 = s0 + 8 * h8;
       const bool live = s8 + 7 >= first && s8 < w1;
       const int64_t blk = live ? table[s8 >> p.block_shift] : 0;
-      const int64_t row0 = head_off + (int64_t)(s8 & (p.block_size - 1)) * kRow;
-      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + row0;
-      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + row0;
+      const int64_t off = s8 & (p.block_size - 1);
+      const uint8_t* kp = p.key_cache + blk * p.k_stride0 + k_head + off * kRow;
+      const uint8_t* vp = p.value_cache + blk * p.v_stride0 + v_head + off * vRow;
       if (s8 + g >= first && s8 + g < w1) {
         LY::load_k_row(kp + g * kRow, t, kr[u][h8]);
       } else {
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
       for (int i = 2 * h8; i < 2 * h8 + 2; ++i) {
         const int r = 2 * t + (i & 1);
         if (s8 + r >= first && s8 + r < w1) {
-          LY::load_v_row(vp + r * kRow, g, vr[u][i]);
+          LY::load_v_row(vp + r * vRow, g, vr[u][i]);
         } else {
 #pragma unroll
           for (int j = 0; j < LY::kVWords; ++j) vr[u][i][j] = 0u;

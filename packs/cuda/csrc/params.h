@@ -7,7 +7,7 @@ namespace hal_cuda {
 struct DecodeParams {
   void* out;                    // [num_seqs, num_heads, D], query dtype; strides in elements
   const void* query;            // [num_seqs, num_heads, D], fp16 or bf16
-  const uint8_t* key_cache;     // [num_blocks, num_kv_heads, block_size, D], dense blocks
+  const uint8_t* key_cache;     // [num_blocks, num_kv_heads, block_size, D] through its strides
   const uint8_t* value_cache;
   const int* block_tables;      // [num_seqs, bt_stride0] int32
   const int* seq_lens;          // [num_seqs] int32
@@ -18,6 +18,7 @@ struct DecodeParams {
   float* part_ml;               // [num_seqs, num_heads, num_parts, 2] (max in log2 units, sum)
   int64_t q_stride0, q_stride1, out_stride0, out_stride1;
   int64_t k_stride0, v_stride0;  // bytes between blocks
+  int64_t k_head_stride, k_row, v_head_stride, v_row;  // bytes between KV heads / token rows (NHD views too)
   int64_t bt_stride0;
   float scale, k_scale, v_scale, soft_cap;  // soft_cap <= 0: off
   int k_scale_stride, v_scale_stride;
@@ -38,6 +39,7 @@ struct CacheParams {
   const float* v_scale_ptr;
   int64_t key_stride0, key_stride1, value_stride0, value_stride1;
   int64_t k_stride0, v_stride0;  // bytes between cache blocks
+  int64_t k_head_stride, k_row, v_head_stride, v_row;  // bytes between KV heads / token rows
   float k_scale, v_scale;
   int k_scale_stride, v_scale_stride;
   int num_tokens, num_kv_heads, head_size, block_size, num_blocks;
