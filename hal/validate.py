@@ -175,6 +175,12 @@ def _misaligned(*caches: torch.Tensor) -> bool:
     return any(c.data_ptr() % 16 or (c.stride(0) * c.element_size()) % 16 for c in caches)
 
 
+def rows_misaligned(c: torch.Tensor, nbytes: int) -> bool:
+    """Whether ``c``'s start or any of its strides but the last dimension's is off ``nbytes`` bytes."""
+    e = c.element_size()
+    return c.data_ptr() % nbytes != 0 or any((s * e) % nbytes for s in c.stride()[:-1])
+
+
 def _strided(*caches: torch.Tensor) -> bool:
     """Not HND-dense within each block (e.g. the HND view of an NHD cache)."""
     return any(c.stride(2) != c.shape[3] or c.stride(1) != c.shape[2] * c.shape[3] for c in caches)

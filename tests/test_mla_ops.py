@@ -141,3 +141,31 @@ def test_opcheck_and_compile(case):
                               scale=kw["scale"], ckv_scale=kw["ckv_scale"], max_seq_len=33)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(kw["q_nope"], kw["q_pe"]), step(kw["q_nope"], kw["q_pe"]))
+
+
+def test_misaligned_latent_rows_are_a_dispatch_reason_not_an_error(monkeypatch):
+    """Latent rows off 16 bytes (a view at an 8-byte offset into a wider allocation): the native packs'
+    vector loads cannot read them, so dispatch passes over cuda with the feature named and emu serves the
+    call (correctly), instead of the cuda launcher raising."""
+    from test_emu_mla import make_mla
+
+    import reference
+    from cases import tolerance_ok
+    case = make_mla([20, 7], heads=16, ckv_dtype=torch.bfloat16, seed=4)
+    nb, bs, r = case["ckv_cache"].shape
+    wide = torch.empty(nb, bs, 4 + r + 64 + 4, dtype=torch.bfloat16)
+    wide[..., 4:4 + r] = case["ckv_cache"]
+    wide[..., 4 + r:4 + r + 64] = case["kpe_cache"]
+    ckv, kpe = wide[..., 4:4 + r], wide[..., 4 + r:4 + r + 64]
+    args = {**{k: case[k] for k in ("q_nope", "q_pe", "block_tables", "seq_lens", "scale", "ckv_scale",
+                                    "kpe_scale")}, "ckv_cache": ckv, "kpe_cache": kpe}
+    monkeypatch.setenv("HAL_TARGET", "sm_90")
+    d = hal.explain(op="mla_decode", **args)
+    assert "misaligned_cache" in d.key.features
+    reasons = hal.registry.by_name("cuda").supports(d.target)["mla_decode"].reasons(d.key)
+    assert any("misaligned_cache" in x for x in reasons), reasons
+    out = hal.mla_decode(**args, pack="emu")
+    ref = reference.mla_decode(case["q_nope"], case["q_pe"], ckv, kpe, case["block_tables"], case["seq_lens"], None,
+                               scale=case["scale"], ckv_scale=case["ckv_scale"], kpe_scale=case["kpe_scale"])
+    ok, msg = tolerance_ok(out, ref)
+    assert ok, msg

@@ -30,6 +30,8 @@ FEATURES = {
     "strided_cache": "latent or rotary caches whose tokens are not dense (views into one [num_blocks, "
                      "block_size, R + P] allocation)",
     "fp8_rope": "an FP8 rotary cache (kpe_cache); 16-bit is recommended",
+    "misaligned_cache": "latent or rotary caches whose data pointer, block or token stride is not a multiple "
+                        "of 16 bytes (latent) / 8 bytes (rotary part): the native kernels' vector loads",
 }
 CACHE_DTYPES = frozenset(v.QUERY_DTYPES) | fp8.FP8_DTYPES
 
@@ -136,6 +138,8 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
         feats.add("strided_cache")
     if fp8.is_fp8(kpe_cache.dtype):
         feats.add("fp8_rope")
+    if v.rows_misaligned(ckv_cache, 16) or v.rows_misaligned(kpe_cache, 8):
+        feats.add("misaligned_cache")
     key = CallKey(op, dev.type, q_nope.dtype, ckv_cache.dtype, r, bs, h, frozenset(feats), p, kpe_cache.dtype)
     return MLACall(call_key=key, target=target(), geometry=Geometry(n, h, 1, r, bs, nb, total_q), rope_dim=p,
                    out=v.unit_last(out), q_nope=v.unit_last(q_nope), q_pe=v.unit_last(q_pe), ckv_cache=ckv_cache,
