@@ -12,8 +12,6 @@ import ctypes
 import json
 import pathlib
 import re
-import shutil
-import subprocess
 
 import pytest
 
@@ -39,25 +37,16 @@ def objects(built) -> dict[str, codeobj.CodeObject]:
 
 
 def _objdump() -> str:
-    for name in ("llvm-objdump-19", "llvm-objdump-20", "llvm-objdump-21", "/opt/rocm/llvm/bin/llvm-objdump",
-                 "llvm-objdump"):
-        path = shutil.which(name) or (name if pathlib.Path(name).exists() else None)
-        if path:
-            return path
-    pytest.skip("no llvm-objdump (apt-get install llvm-19) to disassemble the code objects")
+    tool = testing.objdump()
+    if tool is None:
+        pytest.skip("no llvm-objdump (apt-get install llvm-19) to disassemble the code objects")
+    return tool
 
 
 @pytest.fixture(scope="module")
 def disasm(built) -> dict[str, dict[str, str]]:
     """arch -> kernel -> its disassembly."""
-    tool = _objdump()
-    out = {}
-    for arch in ARCHS:
-        text = subprocess.run([tool, "-d", f"--mcpu={arch}", str(built / arch / build.CODE_OBJECT)],
-                              capture_output=True, text=True, check=True).stdout
-        parts = re.split(r"^[0-9a-f]+ <(\w+)>:$", text, flags=re.M)
-        out[arch] = dict(zip(parts[1::2], parts[2::2]))
-    return out
+    return testing.disassembly(built, ARCHS, build.CODE_OBJECT, _objdump())
 
 
 def _decode_parts(name: str) -> tuple[str, str, int]:
@@ -124,12 +113,7 @@ def test_no_scratch_and_occupancy_budget(objects, built, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_kernarg_layout_matches_the_launcher(objects, arch):
-    for name, k in objects[arch].kernels.items():
-        explicit = [a for a in k.args if not a.value_kind.startswith("hidden_")]
-        want = kernels.layout(kernels.family(name))
-        got = [(a.offset, a.size, a.value_kind) for a in explicit]
-        assert got == [(a.offset, a.size, a.value_kind) for a in want], name
-        assert k.kernarg_segment_size >= kernels.kernarg_size(kernels.family(name))
+    assert testing.kernarg_mismatches(objects[arch]) == []
 
 
 @pytest.mark.parametrize("fam", sorted(kernels.PARAMS))

@@ -30,8 +30,6 @@ import dataclasses
 import json
 import pathlib
 import re
-import shutil
-import subprocess
 
 import pytest
 import reference
@@ -74,17 +72,10 @@ def objects(built) -> dict[str, codeobj.CodeObject]:
 @pytest.fixture(scope="module")
 def disasm(built) -> dict[str, dict[str, str]]:
     """arch -> MLA kernel -> its disassembly."""
-    tool = next((shutil.which(n) for n in ("llvm-objdump-19", "llvm-objdump-20", "llvm-objdump-21", "llvm-objdump")
-                 if shutil.which(n)), None)
+    tool = testing.objdump()
     if tool is None:
         pytest.skip("no llvm-objdump (apt-get install llvm-19) to disassemble the code objects")
-    out = {}
-    for arch in ARCHS:
-        text = subprocess.run([tool, "-d", f"--mcpu={arch}", str(built / arch / build.MLA_CODE_OBJECT)],
-                              capture_output=True, text=True, check=True).stdout
-        parts = re.split(r"^[0-9a-f]+ <(\w+)>:$", text, flags=re.MULTILINE)
-        out[arch] = dict(zip(parts[1::2], parts[2::2]))
-    return out
+    return testing.disassembly(built, ARCHS, build.MLA_CODE_OBJECT, tool)
 
 
 def _decode_parts(name: str) -> tuple[str, str, int]:
@@ -163,12 +154,7 @@ def test_no_scratch_and_occupancy_budget(objects, built, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_kernarg_layout_matches_the_launcher(objects, arch):
-    for name, k in objects[arch].kernels.items():
-        explicit = [a for a in k.args if not a.value_kind.startswith("hidden_")]
-        want = kernels.layout(kernels.family(name))
-        assert [(a.offset, a.size, a.value_kind) for a in explicit] == \
-            [(a.offset, a.size, a.value_kind) for a in want], name
-        assert k.kernarg_segment_size >= kernels.kernarg_size(kernels.family(name))
+    assert testing.kernarg_mismatches(objects[arch]) == []
 
 
 # ---------------------------------------------------------------------------------------------------

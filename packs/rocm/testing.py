@@ -10,10 +10,12 @@ from __future__ import annotations
 import atexit
 import functools
 import pathlib
+import re
 import shutil
+import subprocess
 import tempfile
 
-from . import build, emulator, pack
+from . import build, emulator, kernels, pack
 
 _TMP: list[str] = []
 
@@ -68,3 +70,39 @@ def prefill_emulation(csrc: str, arch: str) -> emulator.Emulator:
     lib = build.emulation_library(_tmpdir() / "wave64", fnuz_hw=arch == "gfx942", csrc=csrc,
                                   source=build.PREFILL_SOURCE)
     return emulator.Emulator(lib)
+
+
+OBJDUMPS = ("llvm-objdump-19", "llvm-objdump-20", "llvm-objdump-21", "/opt/rocm/llvm/bin/llvm-objdump", "llvm-objdump")
+
+
+def objdump() -> str | None:
+    """An llvm-objdump that disassembles AMDGPU code objects, or None."""
+    for name in OBJDUMPS:
+        path = shutil.which(name) or (name if pathlib.Path(name).exists() else None)
+        if path:
+            return path
+    return None
+
+
+def disassembly(folder: pathlib.Path, archs, code_object: str, tool: str) -> dict[str, dict[str, str]]:
+    """arch -> kernel -> its disassembly, for ``folder/<arch>/<code_object>``."""
+    out = {}
+    for arch in archs:
+        text = subprocess.run([tool, "-d", f"--mcpu={arch}", str(pathlib.Path(folder) / arch / code_object)],
+                              capture_output=True, text=True, check=True).stdout
+        parts = re.split(r"^[0-9a-f]+ <(\w+)>:$", text, flags=re.MULTILINE)
+        out[arch] = dict(zip(parts[1::2], parts[2::2]))
+    return out
+
+
+def kernarg_mismatches(co) -> list[str]:
+    """Kernels of code object ``co`` whose explicit arguments (offset, size, kind) in the metadata differ
+    from what the launcher packs (:func:`kernels.layout`), or whose segment is too small."""
+    bad = []
+    for name, k in co.kernels.items():
+        explicit = [a for a in k.args if not a.value_kind.startswith("hidden_")]
+        want = kernels.layout(kernels.family(name))
+        if [(a.offset, a.size, a.value_kind) for a in explicit] != [(a.offset, a.size, a.value_kind) for a in want] \
+                or k.kernarg_segment_size < kernels.kernarg_size(kernels.family(name)):
+            bad.append(name)
+    return bad
