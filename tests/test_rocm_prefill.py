@@ -305,6 +305,15 @@ def test_64k_token_context():
                             cache_dtype=torch.float8_e4m3fnuz, extra_blocks=1, seed=11))
 
 
+def test_64k_token_prefill_with_a_window():
+    """A whole 65536-token prompt in one call (65536 query rows, 1024 row tiles), kept to emulation
+    size by a 64-token sliding window: every row tile stages only its rows' keys, and row offsets pass
+    2^16 tokens."""
+    sims = _emulations("gfx942")
+    check(sims, make_varlen([65536], [65536], num_heads=1, num_kv_heads=1, head_size=64, block_size=256,
+                            cache_dtype=torch.float8_e4m3fnuz, extra_blocks=1, sliding_window=64, seed=16))
+
+
 def test_alibi_slopes_of_the_query_heads(sims):
     """ALiBi's slope is the query head's (kv head x G + g), not the row's."""
     check(sims, make_varlen([50, 20], [50, 20], num_heads=12, num_kv_heads=3, cache_dtype=torch.bfloat16,
