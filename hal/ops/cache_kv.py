@@ -6,7 +6,7 @@ import torch
 
 from hal import validate as v
 from hal.call import CacheWriteCall, Geometry
-from hal.ops.decl import OpDecl
+from hal.ops.decl import OpDecl, fake_checks
 from hal.pack import CallKey
 from hal.targets import target
 
@@ -58,14 +58,6 @@ def check(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, k_
                           value_cache=value_cache, slot_mapping=slot_mapping, k_scale=ks, v_scale=vs)
 
 
-def fake(*args) -> None:
-    t = tensors(*args)
-    v.devices(NAME, t)
-    v.no_autograd(NAME, t)
-    v.pick(NAME, "k_scale", args[5], args[7])
-    v.pick(NAME, "v_scale", args[6], args[8])
-
-
 def example(device: str, cache_dtype: torch.dtype) -> dict:
     """A typical write: 5 tokens (one skipped by a negative slot) into a 4-block cache, per-head k scales."""
     g = torch.Generator().manual_seed(0)
@@ -77,6 +69,7 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: None, example=example,
+              fake=fake_checks(NAME, tensors, (("k_scale", 5, 7), ("v_scale", 6, 8))),
+              result=lambda args: None, example=example,
               per_layer=("key", "value", "key_cache", "value_cache", "k_scale", "v_scale"),
               scale_args=("k_scale", "v_scale"))

@@ -8,8 +8,8 @@ import torch
 from hal import dtypes, fp8
 from hal import validate as v
 from hal.call import Geometry, MLAWriteCall
-from hal.ops.decl import OpDecl
-from hal.ops.mla_decode import _cache
+from hal.ops.decl import OpDecl, fake_checks
+from hal.ops.mla_decode import latent_caches
 from hal.pack import CallKey
 from hal.targets import target
 
@@ -37,16 +37,8 @@ def tensors(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale
 def check(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale, ckv_scale_tensor, kpe_scale_tensor,
           pack) -> MLAWriteCall:
     op = NAME
-    _cache(op, "ckv_cache", ckv_cache, "R")
-    _cache(op, "kpe_cache", kpe_cache, "P")
-    nb, bs, r = ckv_cache.shape
-    p = kpe_cache.shape[2]
-    dev = ckv_cache.device
-    if kpe_cache.shape[:2] != (nb, bs):
-        v.fail(op, "kpe_cache", f"[num_blocks={nb}, block_size={bs}, P] like ckv_cache", v.desc(kpe_cache))
-    v.same_device(op, "kpe_cache", kpe_cache, dev)
-    cs = v.scale(op, "ckv_scale", v.pick(op, "ckv_scale", ckv_scale, ckv_scale_tensor), ckv_cache, num_kv_heads=1)
-    ps = v.scale(op, "kpe_scale", v.pick(op, "kpe_scale", kpe_scale, kpe_scale_tensor), kpe_cache, num_kv_heads=1)
+    nb, bs, r, p, dev, cs, ps = latent_caches(op, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_tensor,
+                                              kpe_scale_tensor)
     for name, t, w in (("kv_c", kv_c, r), ("k_pe", k_pe, p)):
         v.tensor(op, name, t)
         if t.dtype not in v.QUERY_DTYPES:
@@ -68,14 +60,6 @@ def check(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale, 
                         kpe_cache=kpe_cache, slot_mapping=slot_mapping, ckv_scale=cs, kpe_scale=ps)
 
 
-def fake(*args) -> None:
-    t = tensors(*args)
-    v.devices(NAME, t)
-    v.no_autograd(NAME, t)
-    v.pick(NAME, "ckv_scale", args[5], args[7])
-    v.pick(NAME, "kpe_scale", args[6], args[8])
-
-
 def example(device: str, cache_dtype: torch.dtype) -> dict:
     """A typical write: 5 tokens (one skipped) into views of one combined [4, 8, 512 + 64] cache."""
     g = torch.Generator().manual_seed(0)
@@ -88,6 +72,7 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: None, example=example,
+              fake=fake_checks(NAME, tensors, (("ckv_scale", 5, 7), ("kpe_scale", 6, 8))),
+              result=lambda args: None, example=example,
               per_layer=("kv_c", "k_pe", "ckv_cache", "kpe_cache", "ckv_scale", "kpe_scale"),
               scale_args=("ckv_scale", "kpe_scale"))

@@ -34,3 +34,24 @@ class OpDecl:
     def pack_arg(self) -> int:
         """Every schema ends with ``str? pack``: the forced pack."""
         return -1
+
+
+def fake_checks(name: str, tensors: Callable[..., dict], scales: tuple[tuple[str, int, int], ...]):
+    """An op's fake: its tensors on one device and not requiring grad, and each scale given one way
+    (``scales``: (name, index of the float, index of the tensor) in the schema's arguments)."""
+    from hal import validate as v
+
+    def fake(*args) -> None:
+        t = tensors(*args)
+        v.devices(name, t)
+        v.no_autograd(name, t)
+        for scale, value_at, tensor_at in scales:
+            v.pick(name, scale, args[value_at], args[tensor_at])
+    return fake
+
+
+def copy_out_back(call, args: tuple) -> None:
+    """``finish`` of an op with ``out`` first: a view whose last dim is strided was computed densely
+    (validation gave the pack a dense ``call.out``): copy it back."""
+    if call.out is not args[0]:
+        args[0].copy_(call.out)

@@ -16,7 +16,7 @@ from hal import dtypes, fp8
 from hal import reference as _reference
 from hal import validate as v
 from hal.call import Geometry, MLACall
-from hal.ops.decl import OpDecl
+from hal.ops.decl import OpDecl, copy_out_back, fake_checks
 from hal.pack import CallKey
 from hal.targets import target
 
@@ -68,10 +68,9 @@ def _cache(op, name, c, width_name):
         v.fail(op, name, "a unit stride in its last dim (a view into a combined cache is fine)", v.desc(c))
 
 
-def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale, ckv_scale, kpe_scale,
-          ckv_scale_tensor, kpe_scale_tensor, query_start_loc, max_query_len, max_seq_len, pack) -> MLACall:
-    """Every argument checked (errors name the argument, what was expected, what was given)."""
-    op = NAME
+def latent_caches(op, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_tensor, kpe_scale_tensor):
+    """The latent and rotary caches and their scales, checked alike by hal.mla_decode and
+    hal.cache_mla: ``(num_blocks, block_size, R, P, device, ckv_scale, kpe_scale)``."""
     _cache(op, "ckv_cache", ckv_cache, "R")
     _cache(op, "kpe_cache", kpe_cache, "P")
     nb, bs, r = ckv_cache.shape
@@ -82,6 +81,15 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
     v.same_device(op, "kpe_cache", kpe_cache, dev)
     cs = v.scale(op, "ckv_scale", v.pick(op, "ckv_scale", ckv_scale, ckv_scale_tensor), ckv_cache, num_kv_heads=1)
     ps = v.scale(op, "kpe_scale", v.pick(op, "kpe_scale", kpe_scale, kpe_scale_tensor), kpe_cache, num_kv_heads=1)
+    return nb, bs, r, p, dev, cs, ps
+
+
+def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale, ckv_scale, kpe_scale,
+          ckv_scale_tensor, kpe_scale_tensor, query_start_loc, max_query_len, max_seq_len, pack) -> MLACall:
+    """Every argument checked (errors name the argument, what was expected, what was given)."""
+    op = NAME
+    nb, bs, r, p, dev, cs, ps = latent_caches(op, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_tensor,
+                                              kpe_scale_tensor)
     v.tensor(op, "q_nope", q_nope)
     if q_nope.dtype not in v.QUERY_DTYPES:
         v.fail(op, "q_nope", "float16, bfloat16 or float32", v.desc(q_nope))
@@ -148,19 +156,6 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
                    max_query_len=max_query_len)
 
 
-def fake(*args) -> None:
-    t = tensors(*args)
-    v.devices(NAME, t)
-    v.no_autograd(NAME, t)
-    v.pick(NAME, "ckv_scale", args[8], args[10])
-    v.pick(NAME, "kpe_scale", args[9], args[11])
-
-
-def finish(call: MLACall, args: tuple) -> None:
-    if call.out is not args[0]:  # a view whose last dim is strided: computed densely, copied back
-        args[0].copy_(call.out)
-
-
 def reference(call: MLACall) -> torch.Tensor:
     return _reference.mla_decode(call.q_nope, call.q_pe, call.ckv_cache, call.kpe_cache, call.block_tables,
                                  call.seq_lens, call.query_start_loc, scale=call.scale, ckv_scale=call.ckv_scale,
@@ -197,6 +192,7 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example,
+              fake=fake_checks(NAME, tensors, (("ckv_scale", 8, 10), ("kpe_scale", 9, 11))),
+              result=lambda args: args[0], finish=copy_out_back, reference=reference, example=example,
               per_layer=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "ckv_scale", "kpe_scale", "out"),
               scale_args=("ckv_scale", "kpe_scale"))

@@ -10,7 +10,7 @@ import torch
 from hal import reference as _reference
 from hal import validate as v
 from hal.call import AttentionCall, Geometry
-from hal.ops.decl import OpDecl
+from hal.ops.decl import OpDecl, copy_out_back, fake_checks
 from hal.pack import CallKey
 from hal.targets import target
 
@@ -172,19 +172,6 @@ def _check_query_start_loc(qsl, total_q, seq_lens, max_query_len, causal, alibi_
     return v.query_rows(op, qsl, total_q, seq_lens, max_query_len, "the query", "hal.cache_kv")
 
 
-def fake(*args) -> None:
-    t = tensors(*args)
-    v.devices(NAME, t)
-    v.no_autograd(NAME, t)
-    v.pick(NAME, "k_scale", args[7], args[9])
-    v.pick(NAME, "v_scale", args[8], args[10])
-
-
-def finish(call: AttentionCall, args: tuple) -> None:
-    if call.out is not args[0]:  # a view whose last dim is strided: computed densely, copied back
-        args[0].copy_(call.out)
-
-
 def reference(call: AttentionCall) -> torch.Tensor:
     if call.query_start_loc is not None:
         return _reference.paged_attention_varlen(
@@ -228,6 +215,7 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 
 
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
-              fake=fake, result=lambda args: args[0], finish=finish, reference=reference, example=example,
+              fake=fake_checks(NAME, tensors, (("k_scale", 7, 9), ("v_scale", 8, 10))),
+              result=lambda args: args[0], finish=copy_out_back, reference=reference, example=example,
               per_layer=("query", "key_cache", "value_cache", "k_scale", "v_scale", "out"),
               scale_args=("k_scale", "v_scale"))
