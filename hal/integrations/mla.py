@@ -47,7 +47,7 @@ import torch
 
 import hal
 from hal.fp8 import is_fp8
-from hal.integrations.paged_cache import BlockAllocator
+from hal.integrations.sequences import SequenceTable
 
 __all__ = ["MLARunner", "MLAStepPlan", "PagedMLACache", "calibrate_mla", "mla_attention", "mla_modules",
            "using_mla"]
@@ -74,7 +74,7 @@ class MLAStepPlan:
 class PagedMLACache:
     """Per layer a paged latent cache ``ckv_caches[l]`` [num_blocks, block_size, R] (``dtype``) and
     rotary cache ``kpe_caches[l]`` [num_blocks, block_size, P] (``rope_dtype``), views into one
-    allocation; blocks from a :class:`BlockAllocator`, sequences as in ``PagedKVCache``.
+    allocation; blocks and sequences in a :class:`~hal.integrations.sequences.SequenceTable`, as in ``PagedKVCache``.
 
     ``scales``: :class:`hal.KVScales` (``k``: the latent's scale per layer, ``v``: the rotary
     part's), e.g. ``calibrate_mla(...).scales(dtype)``; used for FP8 parts only. ``observer``: a
@@ -93,10 +93,7 @@ class PagedMLACache:
                         for _ in range(num_layers)]
         self.ckv_caches = [b[..., :split].view(dtype) for b in self.buffers]
         self.kpe_caches = [b[..., split:].view(rope_dtype) for b in self.buffers]
-        self.allocator = BlockAllocator(num_blocks)
-        self._blocks: dict[int, list[int]] = {}
-        self._lens: dict[int, int] = {}
-        self._next_id = 0
+        self.sequences = SequenceTable(num_blocks, block_size)
         self.plan: MLAStepPlan | None = None
         self.attended: list[int] = []
         self._scales = [(self._scale(scales, dtype, layer, 0), self._scale(scales, rope_dtype, layer, 1))
@@ -128,56 +125,30 @@ class PagedMLACache:
 
     # -- sequences ---------------------------------------------------------------------------------
     def add_sequence(self) -> int:
-        sid, self._next_id = self._next_id, self._next_id + 1
-        self._blocks[sid], self._lens[sid] = [], 0
-        return sid
+        return self.sequences.add()
 
     def free_sequence(self, sid: int) -> None:
-        self.allocator.free(self._blocks.pop(sid))
-        del self._lens[sid]
+        self.sequences.free(sid)
 
     def seq_len(self, sid: int) -> int:
-        return self._lens[sid]
+        return self.sequences.seq_len(sid)
 
     def block_ids(self, sid: int) -> list[int]:
         """The blocks holding sequence ``sid``'s tokens, in order."""
-        return list(self._blocks[sid])
+        return self.sequences.block_ids(sid)
 
     # -- one step ----------------------------------------------------------------------------------
     def begin_step(self, seq_ids: list[int], counts: list[int]) -> MLAStepPlan:
         """Reserve blocks for ``counts[i]`` new tokens of sequence ``seq_ids[i]`` and plan the step."""
-        if len(seq_ids) != len(counts) or not seq_ids or len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"begin_step: one count per distinct sequence, at least one; got {seq_ids}, {counts}")
-        if min(counts) < 0 or max(counts) == 0:
-            raise ValueError(f"begin_step: counts must be >= 0 and not all 0; got {counts}")
-        bs, q = self.block_size, max(counts)
-        for sid, c in zip(seq_ids, counts):
-            need = math.ceil((self._lens[sid] + c) / bs) - len(self._blocks[sid])
-            if need > 0:
-                self._blocks[sid] += self.allocator.allocate(need)
-        past = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int64)
-        cnt = torch.tensor(counts, dtype=torch.int64)
-        table = torch.zeros((len(seq_ids), max(1, max(len(self._blocks[s]) for s in seq_ids))), dtype=torch.int32)
-        for i, s in enumerate(seq_ids):
-            table[i, :len(self._blocks[s])] = torch.tensor(self._blocks[s], dtype=torch.int32)
-        offs = torch.arange(q)
-        pos = past[:, None] + offs[None, :]                                     # [b, q]
-        valid = offs[None, :] < cnt[:, None]
-        blk = torch.gather(table.to(torch.int64), 1, (pos // bs).clamp_max(table.shape[1] - 1))
-        slots = torch.where(valid, blk * bs + pos % bs, -1).reshape(-1)
-        lens = past + cnt
-        qsl = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(cnt, 0).to(torch.int32)
-        padded = not bool(valid.all())
+        past = self.sequences.reserve(seq_ids, counts)
+        g = self.sequences.geometry(seq_ids, counts, past)
         dev = self.device
         self.plan = MLAStepPlan(
-            list(seq_ids), list(counts), slots.to(dev),
-            torch.where(valid, pos, (lens - 1).clamp_min(0)[:, None]).to(dev), table.to(dev),
-            lens.to(torch.int32).to(dev), qsl.to(dev), q, max(1, int(lens.max())),
-            valid.reshape(-1).nonzero().reshape(-1).to(dev) if padded else None, q == 1 and not padded)
+            list(seq_ids), list(counts), g.slots.to(dev), g.positions.to(dev), g.block_tables.to(dev),
+            g.seq_lens.to(torch.int32).to(dev), g.query_start_loc.to(dev), g.max_new, max(1, int(g.seq_lens.max())),
+            g.valid.reshape(-1).nonzero().reshape(-1).to(dev) if g.padded else None, g.max_new == 1 and not g.padded)
         self.attended = []
-        for s, c in zip(seq_ids, counts):
-            self._lens[s] += c
+        self.sequences.advance(seq_ids, counts)
         return self.plan
 
     def attend(self, layer: int, q_abs: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,

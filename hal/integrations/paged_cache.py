@@ -43,38 +43,11 @@ import torch
 
 import hal
 from hal.fp8 import is_fp8
+from hal.integrations.sequences import BlockAllocator, CacheFullError, SequenceTable
 
 __all__ = ["BlockAllocator", "CacheFullError", "PagedKVCache", "StaticStep", "StepPlan"]
 
 log = logging.getLogger("hal")
-
-
-class CacheFullError(RuntimeError):
-    """No free blocks are left for a sequence's new tokens."""
-
-
-class BlockAllocator:
-    """Free list of block ids ``0 .. num_blocks - 1``; lowest ids first (deterministic layouts)."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks <= 0:
-            raise ValueError(f"BlockAllocator: num_blocks must be > 0; got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() from the end gives the lowest id
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise CacheFullError(f"KV cache full: {n} blocks wanted, {len(self._free)} of "
-                                 f"{self.num_blocks} free (make the cache larger or free finished sequences)")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(sorted(blocks, reverse=True))
-        self._free.sort(reverse=True)
 
 
 @dataclasses.dataclass
@@ -184,12 +157,9 @@ class PagedKVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_size)
         self.key_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.value_caches = [torch.zeros_like(k) for k in self.key_caches]
-        self.allocator = BlockAllocator(num_blocks)
+        self.sequences = SequenceTable(num_blocks, block_size)
         self.observer, self.max_query_rows, self.pack = observer, max_query_rows, pack
         self.query_dtype = query_dtype
-        self._blocks: dict[int, list[int]] = {}
-        self._lens: dict[int, int] = {}
-        self._next_id = 0
         self.plan: StepPlan | None = None
         self.num_heads: int | None = None  # query heads, known after the first attend()
         self.multi_token = multi_token
@@ -290,20 +260,20 @@ class PagedKVCache:
 
     # -- sequences -------------------------------------------------------------------------------
     def add_sequence(self) -> int:
-        sid, self._next_id = self._next_id, self._next_id + 1
-        self._blocks[sid], self._lens[sid] = [], 0
-        return sid
+        return self.sequences.add()
 
     def free_sequence(self, sid: int) -> None:
-        self.allocator.free(self._blocks.pop(sid))
-        del self._lens[sid]
+        self.sequences.free(sid)
 
     def seq_len(self, sid: int) -> int:
-        return self._lens[sid]
+        return self.sequences.seq_len(sid)
+
+    def block_ids(self, sid: int) -> list[int]:
+        return self.sequences.block_ids(sid)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        return self.sequences.num_free_blocks
 
     # -- one step --------------------------------------------------------------------------------
     def begin_step(self, seq_ids: list[int], counts: list[int], *, planned: bool = False,
@@ -311,55 +281,29 @@ class PagedKVCache:
         """Reserve blocks for ``counts[i]`` new tokens of sequence ``seq_ids[i]`` and plan the step.
         ``planned``: every layer runs the step's hal plans (see the module docstring). ``static``:
         a decode step (every count 1, ``static.batch`` sequences) over those fixed buffers (planned)."""
-        if len(seq_ids) != len(counts) or not seq_ids:
-            raise ValueError("begin_step: one count per sequence, at least one sequence")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"begin_step: a sequence appears twice in {seq_ids}")
-        if any(c < 0 for c in counts) or max(counts) == 0:
-            raise ValueError(f"begin_step: counts must be >= 0 and not all 0; got {counts}")
-        bs, q = self.block_size, max(counts)
+        q = max(counts) if counts else 0
         if static is not None and (q != 1 or min(counts) != 1 or len(seq_ids) != static.batch
-                                   or static.block_size != bs or static.device != self.device):
+                                   or static.block_size != self.block_size or static.device != self.device):
             raise ValueError(f"begin_step: a static step is a decode step of {static.batch} sequences (one new "
                              f"token each, block size {static.block_size} on {static.device}); got counts {counts}")
-        for sid, c in zip(seq_ids, counts):
-            need = math.ceil((self._lens[sid] + c) / bs) - len(self._blocks[sid])
-            if need > 0:
-                self._blocks[sid] += self.allocator.allocate(need)
-        past = torch.tensor([self._lens[s] for s in seq_ids], dtype=torch.int64)
+        past = self.sequences.reserve(seq_ids, counts)
         if static is not None:
-            static.write(past, [self._blocks[s] for s in seq_ids])
+            static.write(past, self.sequences.blocks_of(seq_ids))
             self.plan = StepPlan(list(seq_ids), list(counts), static.slot_mapping, static.position_ids,
                                  static.block_tables, static.seq_lens, static.query_start_loc, 1, static.max_seq_len,
                                  None, True, past, planned=True, plans=static.plans)
             self.attended = []
-            for s in seq_ids:
-                self._lens[s] += 1
+            self.sequences.advance(seq_ids, counts)
             return self.plan
-        cnt = torch.tensor(counts, dtype=torch.int64)
-        width = max(1, max(len(self._blocks[s]) for s in seq_ids))
-        table = torch.zeros((len(seq_ids), width), dtype=torch.int32)  # entries past a sequence's end unused
-        for i, s in enumerate(seq_ids):
-            table[i, :len(self._blocks[s])] = torch.tensor(self._blocks[s], dtype=torch.int32)
-        offs = torch.arange(q, dtype=torch.int64)
-        pos = past[:, None] + offs[None, :]                                  # [b, q]
-        valid = offs[None, :] < cnt[:, None]
-        blk = torch.gather(table.to(torch.int64), 1, (pos // bs).clamp_max(width - 1))
-        slots = torch.where(valid, blk * bs + pos % bs, -1).reshape(-1)
-        lens = past + cnt
-        qsl = torch.zeros(len(seq_ids) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(cnt, 0).to(torch.int32)
-        padded = not bool(valid.all())
+        g = self.sequences.geometry(seq_ids, counts, past)
         dev = self.device
         self.plan = StepPlan(
-            list(seq_ids), list(counts), slots.to(dev),
-            torch.where(valid, pos, past[:, None] + cnt[:, None] - 1).clamp_min(0).to(dev),
-            table.to(dev), lens.to(torch.int32).to(dev), qsl.to(dev), q, max(1, int(lens.max())),
-            valid.reshape(-1).nonzero().reshape(-1).to(dev) if padded else None, q == 1 and not padded, past,
-            planned=planned)
+            list(seq_ids), list(counts), g.slots.to(dev), g.positions.to(dev), g.block_tables.to(dev),
+            g.seq_lens.to(torch.int32).to(dev), g.query_start_loc.to(dev), g.max_new, max(1, int(g.seq_lens.max())),
+            g.valid.reshape(-1).nonzero().reshape(-1).to(dev) if g.padded else None, g.max_new == 1 and not g.padded,
+            past, planned=planned)
         self.attended = []
-        for s, c in zip(seq_ids, counts):
-            self._lens[s] += c
+        self.sequences.advance(seq_ids, counts)
         return self.plan
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
