@@ -232,3 +232,23 @@ def test_nhd_view_is_declared_by_the_native_packs(monkeypatch):
         support = hal.registry.by_name(pack).supports(d.target)["paged_attention"]
         key = dataclasses.replace(d.key, device_type="cuda")   # as on the GPU (these tensors are on the CPU)
         assert support.reasons(key) == [], (pack, support.reasons(key))
+
+
+def test_a_view_with_misaligned_token_rows_is_a_dispatch_reason(monkeypatch):
+    """Token rows 136 bytes apart (a [..., :64] slice of a 68-wide allocation): the native packs' 16-byte
+    loads cannot read them, so the call carries misaligned_cache, cuda is passed over naming it, and emu
+    computes it right (not a launcher error on a GPU)."""
+    monkeypatch.setenv("HAL_TARGET", "sm_90")
+    case = make_case(seq_lens=[5, 40, 17], head_size=64, cache_dtype=torch.bfloat16)
+    wide = [torch.full((*c.shape[:3], 68), float("nan"), dtype=c.dtype) for c in (case.key_cache, case.value_cache)]
+    for w, c in zip(wide, (case.key_cache, case.value_cache)):
+        w[..., :64] = c
+    kc, vc = (w[..., :64] for w in wide)
+    d = hal.explain(case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=case.k_scale, v_scale=case.v_scale)
+    assert "misaligned_cache" in d.key.features and d.pack.NAME == "emu"
+    key = dataclasses.replace(d.key, device_type="cuda")
+    reasons = hal.registry.by_name("cuda").supports(d.target)["paged_attention"].reasons(key)
+    assert any("misaligned_cache" in r for r in reasons), reasons
+    case.key_cache, case.value_cache = kc, vc
+    ok, msg = _ok(_run(case), case.reference())
+    assert ok, msg

@@ -19,19 +19,24 @@ Rows of empty sequences must be exactly 0; ``out`` is NaN-poisoned before every 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 
+import interpreter
 import numpy as np
 import pytest
-import torch
-
 import reference
-from cases import (FP8, alibi_slopes, attention_call, cache_write_call, gpu_tolerance_ok, make_case, nan_input_cases,
-                   nan_rows_ok)
+import torch
+from cases import (
+    FP8,
+    alibi_slopes,
+    attention_call,
+    cache_write_call,
+    gpu_tolerance_ok,
+    make_case,
+    nan_input_cases,
+    nan_rows_ok,
+)
+
 from hal import fp8
 
 try:
@@ -236,17 +241,8 @@ INTERPRETER_CHECKS = {
 
 
 def _interpreter_main(result_path: str) -> None:
-    """Entry point of the subprocess: run every interpreter check, record 'ok' or the failure."""
-    import traceback
-    results = {}
-    for name, fn in INTERPRETER_CHECKS.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per check in the parent
-            results[name] = traceback.format_exc(limit=6)
-    with open(result_path, "w") as f:
-        json.dump(results, f)
+    """Entry point of the subprocess (tests/interpreter.py)."""
+    interpreter.run_checks(INTERPRETER_CHECKS, result_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,18 +255,7 @@ def interpreter_results(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the gpu tests run the compiled kernels (the interpreter checks stand in "
                     "for them on GPU-less machines, and older Triton interpreters lack features they use)")
-    tmp = tmp_path_factory.mktemp("triton_interp")
-    result = tmp / "results.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    # The child imports exactly what this process imports (an installed hal or the checkout).
-    path = os.pathsep.join([here, *(p for p in sys.path if p)])
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp / "cache"), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=path)
-    code = f"import test_emu_triton as t; t._interpreter_main({str(result)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tmp), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and result.exists(), f"interpreter subprocess failed:\n{proc.stderr[-4000:]}"
-    return json.loads(result.read_text())
+    return interpreter.results_in_subprocess("test_emu_triton", tmp_path_factory.mktemp("triton_interp"), 300)
 
 
 @pytest.mark.emu

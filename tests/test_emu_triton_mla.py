@@ -37,7 +37,6 @@ at a 4096-token context.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -45,6 +44,7 @@ import subprocess
 import sys
 import types
 
+import interpreter
 import numpy as np
 import pytest
 import reference
@@ -330,17 +330,8 @@ CHECKS = {
 
 
 def _interpreter_main(result_path: str) -> None:
-    """Entry point of the subprocess: run every interpreter check, record 'ok' or the failure."""
-    import traceback
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn("cpu")
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per check in the parent
-            results[name] = traceback.format_exc(limit=6)
-    with open(result_path, "w") as f:
-        json.dump(results, f)
+    """Entry point of the subprocess (tests/interpreter.py)."""
+    interpreter.run_checks(CHECKS, result_path, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,16 +347,7 @@ def _cpu_only():
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     _cpu_only()
-    tmp = tmp_path_factory.mktemp("triton_mla_interp")
-    result = tmp / "results.json"
-    path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *(p for p in sys.path if p)])
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp / "cache"), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=path)
-    code = f"import test_emu_triton_mla as t; t._interpreter_main({str(result)!r})"
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=str(tmp), capture_output=True,
-                          text=True, timeout=400, check=False)
-    assert proc.returncode == 0 and result.exists(), f"interpreter subprocess failed:\n{proc.stderr[-4000:]}"
-    return json.loads(result.read_text())
+    return interpreter.results_in_subprocess("test_emu_triton_mla", tmp_path_factory.mktemp("triton_mla_interp"), 400)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

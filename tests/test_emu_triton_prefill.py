@@ -16,19 +16,26 @@ CUDA-graph capture/replay.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 
+import interpreter
 import numpy as np
 import pytest
 import torch
-
-from cases import FEATURES, FP8, alibi_slopes, attention_call, gpu_tolerance_ok, poison_unread
-from cases import GEOMETRIES, make_varlen, read_slots_varlen, row_positions, set_cache_element
+from cases import (
+    FEATURES,
+    FP8,
+    GEOMETRIES,
+    alibi_slopes,
+    attention_call,
+    gpu_tolerance_ok,
+    make_varlen,
+    poison_unread,
+    read_slots_varlen,
+    row_positions,
+    set_cache_element,
+)
 
 try:
     import triton
@@ -236,17 +243,8 @@ CHECKS = {
 
 
 def _interpreter_main(result_path: str) -> None:
-    """Entry point of the subprocess: run every interpreter check, record 'ok' or the failure."""
-    import traceback
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn("cpu")
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001 - reported per check in the parent
-            results[name] = traceback.format_exc(limit=6)
-    with open(result_path, "w") as f:
-        json.dump(results, f)
+    """Entry point of the subprocess (tests/interpreter.py)."""
+    interpreter.run_checks(CHECKS, result_path, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,16 +254,7 @@ def _interpreter_main(result_path: str) -> None:
 def interpreter_results(tmp_path_factory):
     if triton is None or torch.cuda.is_available():
         pytest.skip(NO_TRITON if triton is None else "a GPU is present: the gpu tests run the compiled kernel")
-    tmp = tmp_path_factory.mktemp("triton_prefill_interp")
-    result = tmp / "results.json"
-    path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *(p for p in sys.path if p)])
-    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp / "cache"), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=path)
-    code = f"import test_emu_triton_prefill as t; t._interpreter_main({str(result)!r})"
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=str(tmp), capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0 and result.exists(), f"interpreter subprocess failed:\n{proc.stderr[-4000:]}"
-    return json.loads(result.read_text())
+    return interpreter.results_in_subprocess("test_emu_triton_prefill", tmp_path_factory.mktemp("triton_prefill_interp"), 400)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -316,10 +305,10 @@ def test_sm90_tuned_tiles_compile_offline(cache_dtype, monkeypatch, tmp_path):
     sm_90, and compile for sm_90 within its shared memory (227 KiB a block)."""
     if triton is None or torch.cuda.is_available():
         pytest.skip(NO_TRITON if triton is None else "a GPU is present: the GPU tests compile and run the kernel")
-    from test_emu_triton import _compile, _Recorder
-    from triton.backends.compiler import GPUTarget
     from hal.kernelpacks.emu import triton_prefill as TP
     from hal.kernelpacks.emu import triton_prefill_kernels as TK
+    from test_emu_triton import _compile, _Recorder
+    from triton.backends.compiler import GPUTarget
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(TK, "prefill_kernel", rec := _Recorder(TK.prefill_kernel))
     monkeypatch.setattr(TP, "_capability", lambda device: (9, 0))

@@ -25,10 +25,7 @@ MAX_LDS = 16 * 1024       # 64 KiB per CU / 4 workgroups
 
 @pytest.fixture(scope="module")
 def built() -> pathlib.Path:
-    why = testing.compiler_missing()
-    if why:
-        pytest.skip(why)
-    return testing.code_objects(CSRC)
+    return testing.built_or_skip(CSRC)
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +33,10 @@ def objects(built) -> dict[str, codeobj.CodeObject]:
     return {arch: codeobj.read(built / arch / build.CODE_OBJECT) for arch in ARCHS}
 
 
-def _objdump() -> str:
-    tool = testing.objdump()
-    if tool is None:
-        pytest.skip("no llvm-objdump (apt-get install llvm-19) to disassemble the code objects")
-    return tool
-
-
 @pytest.fixture(scope="module")
 def disasm(built) -> dict[str, dict[str, str]]:
     """arch -> kernel -> its disassembly."""
-    return testing.disassembly(built, ARCHS, build.CODE_OBJECT, _objdump())
+    return testing.disassembly_or_skip(built, ARCHS, build.CODE_OBJECT)
 
 
 def _decode_parts(name: str) -> tuple[str, str, int]:

@@ -58,10 +58,7 @@ OTHER_MAX_LDS = 16384
 
 @pytest.fixture(scope="module")
 def built() -> pathlib.Path:
-    why = testing.compiler_missing()
-    if why:
-        pytest.skip(why)
-    return testing.code_objects(CSRC)
+    return testing.built_or_skip(CSRC)
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +69,7 @@ def objects(built) -> dict[str, codeobj.CodeObject]:
 @pytest.fixture(scope="module")
 def disasm(built) -> dict[str, dict[str, str]]:
     """arch -> MLA kernel -> its disassembly."""
-    tool = testing.objdump()
-    if tool is None:
-        pytest.skip("no llvm-objdump (apt-get install llvm-19) to disassemble the code objects")
-    return testing.disassembly(built, ARCHS, build.MLA_CODE_OBJECT, tool)
+    return testing.disassembly_or_skip(built, ARCHS, build.MLA_CODE_OBJECT)
 
 
 def _decode_parts(name: str) -> tuple[str, str, int]:

@@ -24,7 +24,7 @@ FEATURES = {
     "soft_cap": "logits soft-cap",
     "sliding_window": "a sliding window",
     "per_head_scales": "[num_kv_heads] k/v scales",
-    "misaligned_cache": "caches whose data pointer or block stride is not a multiple of 16 bytes",
+    "misaligned_cache": "caches whose data pointer or block, head or token stride is not a multiple of 16 bytes",
     "strided_cache": "caches that are not dense within each block (e.g. an NHD cache's permute(0, 2, 1, 3) view)",
     "varlen": "several query tokens per sequence (query_start_loc: prefill, chunked prefill, mixed batches)",
 }
@@ -139,6 +139,8 @@ def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_s
     max_seq_len = v.context_bounds(op, seq_lens, block_tables, nb, bs, max_seq_len)  # decided once, for every pack
 
     feats = v.features(alibi_slopes, logits_soft_cap, sliding_window, ks, vs, (key_cache, value_cache))
+    if v.rows_misaligned(key_cache, 16) or v.rows_misaligned(value_cache, 16):  # heads / tokens of a view too
+        feats = feats | {"misaligned_cache"}
     key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv, feats | ({"varlen"} if varlen else set()))
     return AttentionCall(
         call_key=key, target=target(), geometry=Geometry(n, h, hkv, d, bs, nb, total_q),

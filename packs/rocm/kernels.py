@@ -146,7 +146,7 @@ PARAMS: dict[str, tuple[tuple[str, str], ...]] = {
         ("v_block_stride", "i64"), ("v_head_stride", "i64"), ("v_token_stride", "i64"), ("bt_stride", "i64"),
         ("scale", "f32"), ("k_scale_val", "f32"), ("v_scale_val", "f32"), ("soft_cap", "f32"),
         ("gqa_ratio", "i32"), ("block_size_log2", "i32"), ("sliding_window", "i32"), ("causal", "i32"),
-        ("skip_single", "i32"), ("k_scale_stride", "i32"), ("v_scale_stride", "i32"),
+        ("k_scale_stride", "i32"), ("v_scale_stride", "i32"),
     ),
     "cache_kv": (
         ("key", "ptr"), ("value", "ptr"), ("key_cache", "ptr"), ("value_cache", "ptr"), ("slot_mapping", "ptr"),

@@ -101,7 +101,7 @@ def _paged_attention(backend, out, query, key_cache, value_cache, block_tables, 
     if multi:
         row_tiles = -(-max_query_len * g // kernels.PREFILL_ROWS)
         values = {**common, "q_stride_tok": q.stride(0), "q_stride_head": q.stride(1), "o_stride_tok": o.stride(0),
-                  "o_stride_head": o.stride(1), "gqa_ratio": g, "causal": int(causal), "skip_single": 1}
+                  "o_stride_head": o.stride(1), "gqa_ratio": g, "causal": int(causal)}
         backend.launch(kernels.prefill_name(qn, cn, d), (n, row_tiles, hkv), values, inputs)
     _decode_rows(backend, common, inputs, o, q, n, h, hkv, d, qn, cn, max_seq_len, sliding_window)
     if o is not out:

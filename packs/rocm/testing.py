@@ -106,3 +106,21 @@ def kernarg_mismatches(co) -> list[str]:
                 or k.kernarg_segment_size < kernels.kernarg_size(kernels.family(name)):
             bad.append(name)
     return bad
+
+
+def built_or_skip(csrc: str) -> pathlib.Path:
+    """:func:`code_objects`, or a pytest skip with the reason no clang with the AMDGPU target is here."""
+    import pytest
+    why = compiler_missing()
+    if why:
+        pytest.skip(why)
+    return code_objects(csrc)
+
+
+def disassembly_or_skip(folder: pathlib.Path, archs, code_object: str) -> dict[str, dict[str, str]]:
+    """:func:`disassembly`, or a pytest skip when no llvm-objdump is here."""
+    import pytest
+    tool = objdump()
+    if tool is None:
+        pytest.skip("no llvm-objdump (apt-get install llvm-19) to disassemble the code objects")
+    return disassembly(folder, archs, code_object, tool)

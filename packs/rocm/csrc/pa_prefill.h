@@ -22,7 +22,7 @@
 //    each of its 4 tokens, and ends holding D/4 consecutive output columns of its row (wide stores).
 //  * A workgroup reads the keys its rows need: from the window start of its first row to the causal
 //    limit of its last; a wave skips the math of steps outside its own rows' range (wave-uniform).
-//  * Sequences of one query token in a mixed batch (skip_single) are left to the decode kernels
+//  * Sequences of one query token in a mixed batch are left to the decode kernels
 //    (pa_decode.h, its split-K and pa_reduce.h), launched in the same call.
 #pragma once
 #include "formats.h"
@@ -70,13 +70,13 @@ template <class CACHE, class T> HAL_DEV void widen_chunk(u32x4 v, u32* out) {
       i64 o_stride_head, i64 k_block_stride, i64 k_head_stride, i64 k_token_stride, i64 v_block_stride,      \
       i64 v_head_stride, i64 v_token_stride, i64 bt_stride, float scale, float k_scale_val,                  \
       float v_scale_val, float soft_cap, i32 gqa_ratio, i32 block_size_log2, i32 sliding_window, i32 causal, \
-      i32 skip_single, i32 k_scale_stride, i32 v_scale_stride
+      i32 k_scale_stride, i32 v_scale_stride
 #define HAL_PA_PREFILL_ARGS                                                                                   \
   out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, k_scale_ptr, v_scale_ptr,     \
       alibi_slopes, q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, k_block_stride, k_head_stride, \
       k_token_stride, v_block_stride, v_head_stride, v_token_stride, bt_stride, scale, k_scale_val,          \
-      v_scale_val, soft_cap, gqa_ratio, block_size_log2, sliding_window, causal, skip_single,                \
-      k_scale_stride, v_scale_stride
+      v_scale_val, soft_cap, gqa_ratio, block_size_log2, sliding_window, causal, k_scale_stride,             \
+      v_scale_stride
 
 // The key range [lo, hi) that rows [first, last] of a sequence (q_len rows over L keys) attend to.
 HAL_DEV void key_range(int first, int last, int G, int L, int qlen, int causal, int window, int& lo, int& hi) {
@@ -104,7 +104,7 @@ template <class Q, class CACHE, int D> HAL_DEV void prefill(HAL_PA_PREFILL_PARAM
   const int r = lane >> 4, c16 = lane & 15;
   const int G = gqa_ratio;
   const int q0 = hal_ld(query_start_loc + seq), qlen = hal_ld(query_start_loc + seq + 1) - q0;
-  if (skip_single && qlen == 1) return;  // a decode row: the decode kernel of the same call has it
+  if (qlen == 1) return;  // a decode row: the decode kernel launched in the same call has it
   const int rows = qlen * G, row0 = (int)hal_bid_y() * kPrefillRows;
   if (row0 >= rows) return;  // workgroup-uniform: fewer rows than the longest sequence
   const int L = hal_ld(seq_lens + seq);
