@@ -186,7 +186,7 @@ WARP_ROW_CASES = {
 
 
 def _spy_warp_rows(monkeypatch):
-    """The warp_rows argument of every decode launch (the launcher's second-to-last argument)."""
+    """The warp_rows argument of every decode launch (argument 35 of _C.paged_attention: launch.py)."""
     from hal.kernelpacks.cuda import launch
     seen, real = [], launch._C
 
@@ -195,7 +195,7 @@ def _spy_warp_rows(monkeypatch):
             return getattr(real, name)
 
         def paged_attention(self, *args):
-            seen.append(args[-2])
+            seen.append(args[35])
             return real.paged_attention(*args)
 
     monkeypatch.setattr(launch, "_C", Spy())

@@ -72,12 +72,14 @@ def _row_strides(cache: torch.Tensor, name: str, align: int = 16) -> tuple[int, 
 
 
 def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                          alibi_slopes, logits_soft_cap, sliding_window, max_seq_len):
+                          alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc=None):
     """``(arguments of _C.paged_attention but the stream, workspace tensors)`` of one decode launch,
-    or None for an empty batch. The one-shot call and a plan build their launches here."""
-    n, h, d = query.shape
+    or None for an empty batch. The one-shot call and a plan build their launches here. With
+    ``query_start_loc`` (a multi-token call) the kernel serves the sequences of one query row only."""
+    _, h, d = query.shape
     _, hkv, bs, _ = key_cache.shape
-    if n == 0:
+    n = seq_lens.shape[0]
+    if n == 0 or query.shape[0] == 0:
         return None
     dev = query.device
     head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
@@ -101,20 +103,56 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
         value_cache.stride(0) * elem, block_tables.stride(0), scale, ks, vs,
         0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss, n, h, hkv, head_tiles, bs,
         size, parts, 0 if sliding_window is None else sliding_window, int(query.dtype == torch.bfloat16),
-        int(wrows), *_row_strides(key_cache, "key_cache"), *_row_strides(value_cache, "value_cache")]
+        int(wrows), *_row_strides(key_cache, "key_cache"), *_row_strides(value_cache, "value_cache"),
+        0 if query_start_loc is None else query_start_loc.data_ptr()]
     return args, workspace
 
 
-def _paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                     alibi_slopes, logits_soft_cap, sliding_window, max_seq_len) -> None:
-    built = _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
-                                  v_scale, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len)
-    if built is None:
-        return
-    args, _workspace = built  # the workspace lives until the launch is queued (stream-ordered reuse)
-    guard, stream = _on(query.device)
-    with guard:
-        _C.paged_attention(*args, stream)
+def _prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale,
+                  v_scale, alibi_slopes, logits_soft_cap, sliding_window, causal, max_query_len) -> list:
+    """The arguments of _C.prefill but the stream: the multi-token sequences of a call (the decode
+    launch takes the one-row ones), its grid sized from the host int ``max_query_len``."""
+    _, h, d = query.shape
+    _, hkv, bs, _ = key_cache.shape
+    ks, ksp, kss = _scale(k_scale)
+    vs, vsp, vss = _scale(v_scale)
+    elem = key_cache.element_size()
+    return [KINDS[key_cache.dtype], d, out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(),
+            0 if alibi_slopes is None else alibi_slopes.data_ptr(), ksp, vsp, query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1), key_cache.stride(0) * elem, value_cache.stride(0) * elem,
+            block_tables.stride(0), scale, ks, vs, 0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss,
+            seq_lens.shape[0], h, hkv, bs, 0 if sliding_window is None else sliding_window, int(causal),
+            int(query.dtype == torch.bfloat16), max_query_len, 2, *_row_strides(key_cache, "key_cache"),
+            *_row_strides(value_cache, "value_cache")]
+
+
+def _multi_token(call) -> bool:
+    return call.query_start_loc is not None and call.max_query_len > 1
+
+
+def _attention_launches(call, out, query) -> tuple[list, tuple]:
+    """``([(launcher, args, slots)], workspace)`` of a validated call with these query/output tensors:
+    decode alone, or for a multi-token call the prefill kernel (sequences of 2+ rows) and the decode
+    kernel with its split-K (sequences of one row), in that order on one stream."""
+    launches, workspace = [], ()
+    if _multi_token(call):
+        launches.append((_C.prefill, _prefill_args(
+            out, query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.query_start_loc,
+            call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window,
+            call.causal, call.max_query_len), _PREFILL_SLOTS))
+    built = _paged_attention_args(out, query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens,
+                                  call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap,
+                                  call.sliding_window, call.max_seq_len, call.query_start_loc)
+    if built is not None:
+        args, workspace = built
+        launches.append((_C.paged_attention, args, _PAGED_ATTENTION_SLOTS))
+    return launches, workspace
+
+
+def _aligned_rows(t: torch.Tensor) -> bool:
+    """The prefill kernel's 16-byte row loads and its output stores need 16-byte aligned rows."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
 def _cache_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> list:
@@ -138,8 +176,19 @@ def _cache_kv(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
 
 
 def paged_attention(call) -> None:
-    """Run a validated :class:`hal.call.AttentionCall`."""
-    _paged_attention(call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window, call.max_seq_len)
+    """Run a validated :class:`hal.call.AttentionCall`: decode, prefill, chunked prefill or a mixed
+    batch (the prefill kernel's query/output rows copied to 16-byte aligned ones where they are not)."""
+    query, out = call.query, call.out
+    if _multi_token(call):
+        query = query if _aligned_rows(query) else query.contiguous()
+        out = out if _aligned_rows(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+    launches, _workspace = _attention_launches(call, out, query)  # the workspace lives until queued
+    guard, stream = _on(query.device)
+    with guard:
+        for fn, args, _ in launches:
+            fn(*args, stream)
+    if out is not call.out:
+        call.out.copy_(out)
 
 
 def cache_kv(call) -> None:
@@ -237,6 +286,7 @@ def cache_mla(call) -> None:
 # pointers; scales as (pointer slot, value slot): a tensor scale fills the first, a float the second.
 _PAGED_ATTENTION_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5},
                           {"k_scale": (9, 21), "v_scale": (10, 22)})
+_PREFILL_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (10, 20), "v_scale": (11, 21)})
 _CACHE_KV_SLOTS = ({"key": 2, "value": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (7, 15), "v_scale": (8, 16)})
 _MLA_DECODE_SLOTS = ({"out": 2, "q_nope": 3, "q_pe": 4, "ckv_cache": 5, "kpe_cache": 6},
                      {"ckv_scale": (10, 26), "kpe_scale": (11, 27)})
@@ -250,23 +300,26 @@ def _prepared(fn, args: list, call, slots, device: torch.device, keep: tuple):
     """A plan's runner: ``fn(*args, stream)`` with the layer's pointers (and float scales) put into
     their slots of ``args``, the stream read at run time (a CUDA graph captures on its own stream).
     ``keep`` (the workspace, the geometry tensors) lives as long as the runner."""
-    tensors, scales = slots
-    tslots = tuple(tensors.items())
-    # a scale planned as a tensor fills its pointer slot, a float its value slot (the kind is planned)
-    ptr_scales = tuple((n, p) for n, (p, _) in scales.items() if isinstance(getattr(call, n), torch.Tensor))
-    float_scales = tuple((n, v) for n, (_, v) in scales.items() if not isinstance(getattr(call, n), torch.Tensor))
+    return _prepared_many([(fn, args, slots)], call, device, keep)
+
+
+def _prepared_many(launches: list, call, device: torch.device, keep: tuple):
+    """As :func:`_prepared` for several launches in order, each ``(fn, args, slots)``."""
     index = _device_index(device)
-    launch = _launcher(fn, index)
+    steps = []
+    for fn, args, (tensors, scales) in launches:
+        # a scale planned as a tensor fills its pointer slot, a float its value slot (the kind is planned)
+        fills = tuple(tensors.items()) + tuple(
+            (n, p if isinstance(getattr(call, n), torch.Tensor) else v) for n, (p, v) in scales.items())
+        steps.append((_launcher(fn, index), tuple(args), fills))
 
     def run(fields: dict) -> None:
-        a = list(args)
-        for name, i in tslots:
-            a[i] = fields[name].data_ptr()
-        for name, i in ptr_scales:
-            a[i] = fields[name].data_ptr()
-        for name, i in float_scales:
-            a[i] = fields[name]
-        launch(a)
+        for launch, args, fills in steps:
+            a = list(args)
+            for name, i in fills:
+                f = fields[name]
+                a[i] = f.data_ptr() if isinstance(f, torch.Tensor) else f
+            launch(a)
     run.keep = keep
     return run
 
@@ -290,15 +343,16 @@ def _launcher(fn, index: int):
 
 def _prepare_paged_attention(call):
     """A plan of paged attention: the split of the context, the workspace (allocated once, reused
-    by every layer of the plan, in stream order) and the launch arguments, from the planned record."""
-    built = _paged_attention_args(call.out, call.query, call.key_cache, call.value_cache, call.block_tables,
-                                  call.seq_lens, call.scale, call.k_scale, call.v_scale, call.alibi_slopes,
-                                  call.logits_soft_cap, call.sliding_window, call.max_seq_len)
-    if built is None:
+    by every layer of the plan, in stream order) and the launch arguments, from the planned record.
+    A multi-token plan whose query or output rows are not 16-byte aligned (copied by the one-shot
+    call) takes the default runner instead (None)."""
+    if _multi_token(call) and not (_aligned_rows(call.query) and _aligned_rows(call.out)):
+        return None
+    launches, workspace = _attention_launches(call, call.out, call.query)
+    if not launches:
         return lambda fields: None
-    args, workspace = built
-    return _prepared(_C.paged_attention, args, call, _PAGED_ATTENTION_SLOTS, call.query.device,
-                     (workspace, call.block_tables, call.seq_lens, call.alibi_slopes))
+    return _prepared_many(launches, call, call.query.device,
+                          (workspace, call.block_tables, call.seq_lens, call.alibi_slopes, call.query_start_loc))
 
 
 def _prepare_cache_kv(call):

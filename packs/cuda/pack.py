@@ -1,5 +1,6 @@
-"""The ``cuda`` pack: native CUDA paged decode attention, MLA decode and cache writes for NVIDIA sm89+
-(hardware FP8 conversion), tensor cores for QK^T and PV, split-K with a log-sum-exp merge.
+"""The ``cuda`` pack: native CUDA paged attention (decode, prefill, mixed batches), MLA decode and cache
+writes for NVIDIA sm89+ (hardware FP8 conversion), tensor cores for QK^T and PV, split-K with a
+log-sum-exp merge for decode rows.
 
 Declared as data below; the dispatcher, the tests' grids and hal-probe read this declaration.
 """
@@ -35,8 +36,9 @@ PAGED_ATTENTION = OpSupport(
     head_sizes=HEAD_SIZES,
     block_sizes=BLOCK_SIZES,
     devices=frozenset({"cuda"}),
-    # strided_cache: K/V rows read through their head and token strides (an NHD cache's HND view)
-    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales", "strided_cache"}),  # no varlen yet
+    # strided_cache: K/V rows read through their head and token strides (an NHD cache's HND view);
+    # varlen: several query tokens a sequence (prefill, chunked prefill, mixed batches: csrc/prefill.cuh)
+    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales", "strided_cache"}),  # varlen: not until proven on the H200
     max_gqa_ratio=None,
     cache_dtype_notes=_NOTES,
 )

@@ -19,7 +19,7 @@ template <typename T>
 static T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "hal cuda pack kernels (paged decode attention, partition reduce, cache_kv, MLA decode, cache rows)";
+  m.doc() = "hal cuda pack kernels (paged decode and multi-token attention, partition reduce, cache_kv, MLA decode, cache rows)";
   m.def("device_count", [] {
     int count = 0;
     int err = (int)cudaGetDeviceCount(&count);
@@ -41,7 +41,8 @@ PYBIND11_MODULE(_C, m) {
            int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
            int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int head_tiles,
            int block_size, int partition_size, int num_parts, int window, int q_is_bf16, int warp_rows,
-           int64_t k_head_stride, int64_t k_row, int64_t v_head_stride, int64_t v_row, std::uintptr_t stream) {
+           int64_t k_head_stride, int64_t k_row, int64_t v_head_stride, int64_t v_row, std::uintptr_t query_start_loc,
+           std::uintptr_t stream) {
           DecodeParams p{};
           p.out = ptr<void>(out);
           p.query = ptr<const void>(query);
@@ -49,6 +50,7 @@ PYBIND11_MODULE(_C, m) {
           p.value_cache = ptr<const uint8_t>(value_cache);
           p.block_tables = ptr<const int>(block_tables);
           p.seq_lens = ptr<const int>(seq_lens);
+          p.query_start_loc = ptr<const int>(query_start_loc);
           p.alibi = ptr<const float>(alibi);
           p.k_scale_ptr = ptr<const float>(k_scale_ptr);
           p.v_scale_ptr = ptr<const float>(v_scale_ptr);
@@ -87,6 +89,50 @@ PYBIND11_MODULE(_C, m) {
             if (err == 0 && num_parts > 1) err = launch_reduce(head_size, p, s);
           }
           check(err, "paged_attention");
+        });
+  // multi-token attention (prefill.cuh); kind as paged_attention. Sequences with fewer than min_rows
+  // query rows are left to the decode kernel (a mixed call launches both).
+  m.def("prefill",
+        [](int kind, int head_size, std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,
+           std::uintptr_t value_cache, std::uintptr_t block_tables, std::uintptr_t seq_lens,
+           std::uintptr_t query_start_loc, std::uintptr_t alibi, std::uintptr_t k_scale_ptr, std::uintptr_t v_scale_ptr,
+           int64_t q_stride0, int64_t q_stride1, int64_t out_stride0, int64_t out_stride1, int64_t k_stride0,
+           int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
+           int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int block_size,
+           int window, int causal, int q_is_bf16, int max_query_len, int min_rows, int64_t k_head_stride,
+           int64_t k_row, int64_t v_head_stride, int64_t v_row, std::uintptr_t stream) {
+          PrefillParams p{};
+          p.out = ptr<void>(out); p.query = ptr<const void>(query);
+          p.key_cache = ptr<const uint8_t>(key_cache); p.value_cache = ptr<const uint8_t>(value_cache);
+          p.block_tables = ptr<const int>(block_tables); p.seq_lens = ptr<const int>(seq_lens);
+          p.query_start_loc = ptr<const int>(query_start_loc); p.alibi = ptr<const float>(alibi);
+          p.k_scale_ptr = ptr<const float>(k_scale_ptr); p.v_scale_ptr = ptr<const float>(v_scale_ptr);
+          p.q_stride0 = q_stride0; p.q_stride1 = q_stride1; p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
+          p.k_stride0 = k_stride0; p.v_stride0 = v_stride0; p.bt_stride0 = bt_stride0;
+          p.k_head_stride = k_head_stride; p.k_row = k_row; p.v_head_stride = v_head_stride; p.v_row = v_row;
+          p.scale = scale; p.k_scale = k_scale; p.v_scale = v_scale; p.soft_cap = soft_cap;
+          p.k_scale_stride = k_scale_stride; p.v_scale_stride = v_scale_stride;
+          p.num_seqs = num_seqs; p.num_heads = num_heads; p.num_kv_heads = num_kv_heads;
+          p.gqa = num_heads / num_kv_heads; p.block_size = block_size;
+          p.block_shift = 0;
+          while ((1 << p.block_shift) < block_size) ++p.block_shift;
+          if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+          if (query_start_loc == 0) throw std::invalid_argument("prefill needs query_start_loc");
+          p.window = window; p.causal = causal; p.q_is_bf16 = q_is_bf16; p.min_rows = min_rows;
+          if (num_seqs == 0 || max_query_len <= 0) return;
+          auto s = reinterpret_cast<cudaStream_t>(stream);
+          int err;
+          {
+            py::gil_scoped_release nogil;
+            switch (kind) {
+              case 0: err = launch_prefill_f16(head_size, max_query_len, p, s); break;
+              case 1: err = launch_prefill_bf16(head_size, max_query_len, p, s); break;
+              case 2: err = launch_prefill_e4m3(head_size, max_query_len, p, s); break;
+              case 3: err = launch_prefill_e5m2(head_size, max_query_len, p, s); break;
+              default: err = (int)cudaErrorInvalidValue;
+            }
+          }
+          check(err, "paged_attention (multi-token)");
         });
   m.def("cache_kv",
         [](int kind, int input, std::uintptr_t key, std::uintptr_t value, std::uintptr_t key_cache,

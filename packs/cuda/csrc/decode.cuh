@@ -67,6 +67,15 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   const int tile = y % p.head_tiles;
   const int part = blockIdx.z;
 
+  // the query/output row of this sequence; with query_start_loc only one-row sequences are ours
+  int qrow = seq;
+  if (p.query_start_loc) {
+    qrow = p.query_start_loc[seq];
+    if (p.query_start_loc[seq + 1] - qrow != 1) {
+      if (!wrows) return;  // CTA-uniform here
+      live = false;
+    }
+  }
   const int L = p.seq_lens[seq];
   const int first = p.window > 0 ? max(0, L - p.window) : 0;
   const int p0 = part * p.partition_size;
@@ -182,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
         for (int i = 0; i < 4; ++i) {
           float v = 0.f;
           if (row < rows) {
-            const int64_t off = (int64_t)seq * p.q_stride0 + (int64_t)(head0 + row) * p.q_stride1 + d0 + i;
+            const int64_t off = (int64_t)qrow * p.q_stride0 + (int64_t)(head0 + row) * p.q_stride1 + d0 + i;
             v = p.q_is_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p.query)[off])
                             : __half2float(reinterpret_cast<const __half*>(p.query)[off]);
           }
@@ -409,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
           const int h = head0 + r;
           if (!split) {
             const float x = val * vs;
-            const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
+            const int64_t off = (int64_t)qrow * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
             if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
             else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
           } else {
@@ -476,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
     const int h = head0 + r;
     if (!split) {
       const float x = val * vs;
-      const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
+      const int64_t off = (int64_t)qrow * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
       if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
       else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
     } else {

@@ -12,6 +12,11 @@ int launch_decode_f16(int head_size, const DecodeParams& p, cudaStream_t stream)
 int launch_decode_bf16(int head_size, const DecodeParams& p, cudaStream_t stream);
 int launch_decode_e4m3(int head_size, const DecodeParams& p, cudaStream_t stream);
 int launch_decode_e5m2(int head_size, const DecodeParams& p, cudaStream_t stream);
+// Multi-token attention (prefill.cuh); max_query_len sizes the grid (host int: no device read).
+int launch_prefill_f16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
+int launch_prefill_bf16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
+int launch_prefill_e4m3(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
+int launch_prefill_e5m2(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
 int launch_reduce(int head_size, const DecodeParams& p, cudaStream_t stream);
 // kind: 0 fp16, 1 bf16, 2 e4m3fn, 3 e5m2 cache; input: 0 fp16, 1 bf16, 2 fp32 key/value
 int launch_cache_kv(int kind, int input, const CacheParams& p, cudaStream_t stream);

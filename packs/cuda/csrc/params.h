@@ -11,6 +11,9 @@ struct DecodeParams {
   const uint8_t* value_cache;
   const int* block_tables;      // [num_seqs, bt_stride0] int32
   const int* seq_lens;          // [num_seqs] int32
+  // [num_seqs + 1] int32 or null. Set (a multi-token call): sequence i's one query row is row
+  // query_start_loc[i], and sequences of any other row count are skipped (the prefill kernel's).
+  const int* query_start_loc;
   const float* alibi;           // [num_heads] or null
   const float* k_scale_ptr;     // [num_kv_heads] (stride 1), 0-d (stride 0), or null: use k_scale
   const float* v_scale_ptr;
@@ -27,6 +30,32 @@ struct DecodeParams {
   int partition_size, num_parts, window;  // window <= 0: off
   int q_is_bf16;                // query/out dtype: 1 bf16, 0 fp16
   int warp_rows;                // 1: each warp serves its own (sequence, KV head); grid x = rows / 4
+};
+
+// Multi-token paged attention (prefill.cuh): rows of sequence i are query rows query_start_loc[i] ..
+// query_start_loc[i+1]-1 at positions seq_lens[i] - q_len + t (bottom-right aligned).
+struct PrefillParams {
+  void* out;                    // [total_q, num_heads, D], query dtype; strides in elements
+  const void* query;            // [total_q, num_heads, D], fp16 or bf16, 16-byte aligned rows
+  const uint8_t* key_cache;     // [num_blocks, num_kv_heads, block_size, D] through its strides
+  const uint8_t* value_cache;
+  const int* block_tables;      // [num_seqs, bt_stride0] int32
+  const int* seq_lens;          // [num_seqs] int32, the whole context including the new tokens
+  const int* query_start_loc;   // [num_seqs + 1] int32
+  const float* alibi;           // [num_heads] or null
+  const float* k_scale_ptr;     // [num_kv_heads] (stride 1), 0-d (stride 0), or null: use k_scale
+  const float* v_scale_ptr;
+  int64_t q_stride0, q_stride1, out_stride0, out_stride1;
+  int64_t k_stride0, v_stride0;  // bytes between blocks
+  int64_t k_head_stride, k_row, v_head_stride, v_row;  // bytes between KV heads / token rows
+  int64_t bt_stride0;
+  float scale, k_scale, v_scale, soft_cap;  // soft_cap <= 0: off
+  int k_scale_stride, v_scale_stride;
+  int num_seqs, num_heads, num_kv_heads, gqa;
+  int block_size, block_shift;  // block_size is a power of two
+  int window, causal, q_is_bf16;  // window <= 0: off
+  int row_tiles;                // CTAs a (sequence, KV head): ceil(max_query_len * gqa / rows a CTA)
+  int min_rows;                 // sequences with fewer query rows are skipped (2: decode takes 1-row ones)
 };
 
 struct CacheParams {

@@ -9,6 +9,11 @@ namespace hal_cuda {
 template <int D>
 __global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
   const int seq = blockIdx.x, h = blockIdx.y;
+  int qrow = seq;
+  if (p.query_start_loc) {  // a multi-token call: one-row sequences only (decode.cuh)
+    qrow = p.query_start_loc[seq];
+    if (p.query_start_loc[seq + 1] - qrow != 1) return;
+  }
   const int L = p.seq_lens[seq];
   const int first = p.window > 0 ? max(0, L - p.window) : 0;
   const int pa = first / p.partition_size;
@@ -32,7 +37,7 @@ __global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
       acc += p.part_ml[2 * (base + q) + 1] * fast_exp2(m - M) * p.part_out[(base + q) * D + d];
     }
     const float x = wsum == 0.f ? 0.f : acc / wsum * vs;  // 0 only for an empty sequence; NaN stays NaN
-    const int64_t off = (int64_t)seq * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
+    const int64_t off = (int64_t)qrow * p.out_stride0 + (int64_t)h * p.out_stride1 + d;
     if (p.q_is_bf16) reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(x);
     else reinterpret_cast<__half*>(p.out)[off] = __float2half_rn(x);
   }
