@@ -309,17 +309,11 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) prefill_kernel(const Prefi
       uint32_t pa[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if constexpr (kBf) {
-          pa[mt][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          pa[mt][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          pa[mt][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          pa[mt][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        } else {
-          pa[mt][0] = pack_f16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          pa[mt][1] = pack_f16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          pa[mt][2] = pack_f16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          pa[mt][3] = pack_f16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-        }
+        auto pack = [](float lo, float hi) { return kBf ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi); };
+        pa[mt][0] = pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
 #pragma unroll
       for (int d2 = 0; d2 < D / 16; ++d2) {
