@@ -89,9 +89,9 @@ def test_bad_query_start_loc_is_named(mixed, name):
         _call(mixed, **make(mixed))
 
 
-def test_packs_without_varlen_are_passed_over_with_the_reason(mixed, monkeypatch):
-    """cuda declares no multi-token kernel yet: its reason names the feature. rocm declares one
-    (hal_rocm_prefill.hsaco): on a CPU machine it is passed over only because no AMD GPU is here."""
+def test_native_packs_declare_varlen_and_are_passed_over_only_for_the_device(mixed, monkeypatch):
+    """cuda (csrc/prefill.cuh) and rocm (hal_rocm_prefill.hsaco) declare multi-token calls: on a CPU
+    machine they are passed over for the device only, never for the feature."""
     for target, pack in (("sm_90", "cuda"), ("gfx942", "rocm")):
         monkeypatch.setenv("HAL_TARGET", target)
         c = mixed if target == "sm_90" else make_varlen([40, 9], [40, 9], head_size=64, block_size=16,
@@ -100,8 +100,8 @@ def test_packs_without_varlen_are_passed_over_with_the_reason(mixed, monkeypatch
                         v_scale=c.v_scale, query_start_loc=c.query_start_loc)
         assert d.pack.NAME == "emu"
         support = hal.registry.by_name(pack).supports(d.target)["paged_attention"]
-        varlen = any("feature 'varlen' (several query tokens per sequence" in r for r in support.reasons(d.key))
-        assert varlen == (pack == "cuda"), (pack, support.reasons(d.key))
+        assert "varlen" in support.features
+        assert not any("varlen" in r for r in support.reasons(d.key)), (pack, support.reasons(d.key))
 
 
 def test_opcheck_and_compile_with_query_start_loc(mixed):

@@ -397,10 +397,10 @@ def _launch_under_test(monkeypatch):
     import hal.kernelpacks.cuda as pkg
     seen = []
     fake = types.ModuleType("hal.kernelpacks.cuda._C")
-    for fn in ("paged_attention", "cache_kv", "mla_decode", "cache_rows"):
+    for fn in ("paged_attention", "prefill", "cache_kv", "mla_decode", "cache_rows"):
         setattr(fake, fn, lambda *a, _fn=fn: seen.append((_fn, a)))
     monkeypatch.setattr(pkg, "_C", fake, raising=False)
-    path = pathlib.Path(pkg.__path__[0]) / "launch.py"
+    path = pathlib.Path(importlib.util.find_spec("hal.kernelpacks.cuda.launch").origin)  # editable installs too
     spec = importlib.util.spec_from_file_location("hal.kernelpacks.cuda._launch_under_test", path)
     launch = importlib.util.module_from_spec(spec)
     launch.__package__ = "hal.kernelpacks.cuda"
@@ -449,6 +449,37 @@ def test_cuda_plan_launches_equal_the_one_shot_launches(monkeypatch, scales, len
         assert (one[11] != 0) == (lens[0] == 3000)   # the long context is split
     ws = runner.keep[0]
     assert all(t.device.type == "cpu" for t in ws)  # allocated once, at prepare, held by the runner
+
+
+@pytest.mark.parametrize("scales", ["float", "per_head"])
+def test_cuda_multi_token_plan_launches_equal_the_one_shot_launches(monkeypatch, scales):
+    """A mixed batch: the prefill launch (planned from max_query_len) then the decode launch with its
+    split-K workspace, in that order, the plan's arguments the one-shot call's but the workspace."""
+    launch, seen = _launch_under_test(monkeypatch)
+    lens, qlens = [3000, 1, 77, 5, 0], [120, 1, 0, 5, 0]
+    case = make_varlen(lens, qlens, num_heads=16, num_kv_heads=2, head_size=128, cache_dtype=torch.float8_e4m3fn,
+                       per_head_scales=scales == "per_head", garbage=False)
+    geo = dict(block_tables=case.block_tables, seq_lens=case.seq_lens, query_start_loc=case.query_start_loc,
+               max_query_len=120, max_seq_len=3000, sliding_window=2500)
+    planned = hal.ops.prepare("paged_attention", query=case.query, key_cache=case.key_cache,
+                              value_cache=case.value_cache, k_scale=case.k_scale, v_scale=case.v_scale, **geo)
+    runner = launch.paged_attention.prepare(planned)
+    q = torch.randn_like(case.query.float()).to(case.query.dtype)
+    kc, vc = torch.zeros_like(case.key_cache), torch.zeros_like(case.value_cache)
+    ks = case.k_scale * 2 if isinstance(case.k_scale, torch.Tensor) else 0.5
+    out = torch.empty_like(q)
+    record = hal.ops.prepare("paged_attention", query=q, key_cache=kc, value_cache=vc, out=out, k_scale=ks,
+                             v_scale=ks, **geo)
+    seen.clear()
+    launch.paged_attention(record)
+    runner({"query": q, "key_cache": kc, "value_cache": vc, "out": out, "k_scale": record.k_scale,
+            "v_scale": record.v_scale})
+    assert [n for n, _ in seen] == ["prefill", "paged_attention"] * 2
+    (_, pre1), (_, dec1), (_, pre2), (_, dec2) = seen
+    assert pre1 == pre2 and pre1[3] == q.data_ptr() and pre1[4] == kc.data_ptr() and pre1[2] == out.data_ptr()
+    assert pre1[32] == 120                                   # max_query_len sizes the grid
+    _same_launch(dec1, dec2, workspace=(11, 12))
+    assert dec1[11] != 0 and dec1[-2] == case.query_start_loc.data_ptr()  # the long context is split
 
 
 def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):

@@ -38,7 +38,7 @@ PAGED_ATTENTION = OpSupport(
     devices=frozenset({"cuda"}),
     # strided_cache: K/V rows read through their head and token strides (an NHD cache's HND view);
     # varlen: several query tokens a sequence (prefill, chunked prefill, mixed batches: csrc/prefill.cuh)
-    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales", "strided_cache"}),  # varlen: not until proven on the H200
+    features=frozenset({"alibi", "soft_cap", "sliding_window", "per_head_scales", "strided_cache", "varlen"}),
     max_gqa_ratio=None,
     cache_dtype_notes=_NOTES,
 )
