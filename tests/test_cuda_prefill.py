@@ -166,6 +166,19 @@ def test_features_with_per_head_scales(feature, cache):
 
 
 @gpu
+@pytest.mark.parametrize("head_size", (64, 128, 256))
+@pytest.mark.parametrize("cache", (torch.bfloat16, torch.float8_e4m3fn), ids=str)
+def test_mma_sync_kernel_where_the_wgmma_one_runs(head_size, cache, monkeypatch):
+    """On an H200 head sizes 64/128/192/256 take the sm_90a kernel (prefill_sm90.cuh); the mma.sync one
+    (prefill.cuh, the sm89 path) is forced here so it stays proven for them too, features included."""
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "PREFILL_KERNEL", "mma")
+    _check(_varlen(*GEOMETRIES["mixed"], head_size=head_size, cache_dtype=cache, seed=head_size))
+    _check(_varlen(*GEOMETRIES["mixed"], head_size=head_size, cache_dtype=cache, per_head_scales=True, seed=2,
+                   **FEATURES["all"]))
+
+
+@gpu
 def test_features_at_head_256_and_long_windows():
     _check(_varlen([700, 300, 1], [600, 300, 1], head_size=256, per_head_scales=True, sliding_window=200,
                    alibi_slopes=alibi_slopes(8), logits_soft_cap=30.0, seed=7))

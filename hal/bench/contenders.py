@@ -234,6 +234,50 @@ MLA_BASELINE = "torch"
 BASELINES = {DECODE: BASELINE, PREFILL: BASELINE, MLA: MLA_BASELINE}   # the speed-ups' reference, per op
 
 
+def _hal_split(p: Problem, opts: dict) -> Prepared:
+    """A mixed batch as two calls, its one-row sequences (laid out first, as a SPEC's decode group is)
+    as a decode call and the rest as a multi-token call, on views of the same tensors: what the one
+    mixed call is measured against (the cuda issue: within 10%)."""
+    if p.op != PREFILL:
+        raise Skip("prefill problems only")
+    qlens = [b - a for a, b in zip(p.starts, p.starts[1:])]
+    k = next((i for i, q in enumerate(qlens) if q != 1), len(qlens))
+    if k == 0 or k == len(qlens) or any(q == 1 for q in qlens[k:]):
+        raise Skip("not a mixed batch with its one-row sequences first")
+    out = torch.empty_like(p.query)
+    common = dict(scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len)
+    dec = (p.query[:k], p.key_cache, p.value_cache, p.block_tables[:k], p.seq_lens[:k])
+    pre = (p.query[k:], p.key_cache, p.value_cache, p.block_tables[k:], p.seq_lens[k:])
+    pre_kw = dict(query_start_loc=(p.query_start_loc[k:] - k).contiguous(), max_query_len=p.max_query_len,
+                  causal=True, out=out[k:])
+    names = {hal.explain(*dec, **common).pack.NAME, hal.explain(*pre, **common, **{
+        n: v for n, v in pre_kw.items() if n != "out"}).pack.NAME}
+
+    def run():
+        hal.paged_attention(*dec, **common, out=out[:k])
+        hal.paged_attention(*pre, **common, **pre_kw)
+
+    return Prepared(run, out, f"2 calls ({k} decode rows, then the rest), dispatched to {'/'.join(sorted(names))}")
+
+
+def _hal_cuda_mma(p: Problem, opts: dict) -> Prepared:
+    """The cuda pack with its mma.sync multi-token kernel forced (the sm89 path) where sm_90a's runs."""
+    if p.op != PREFILL:
+        raise Skip("prefill problems only")
+    from hal.kernelpacks.cuda import launch
+    prepared = _hal("cuda")(p, opts)
+    inner = prepared.run
+
+    def run():
+        launch.PREFILL_KERNEL = "mma"
+        try:
+            inner()
+        finally:
+            launch.PREFILL_KERNEL = "auto"
+
+    return Prepared(run, prepared.out, "csrc/prefill.cuh (mma.sync) forced")
+
+
 def baseline_for(op: str) -> str:
     return BASELINES.get(op, BASELINE)
 
@@ -246,10 +290,15 @@ def all_contenders() -> list[Contender]:
                      _hal_plan, ops=EVERY_OP),
            Contender("hal-nhd", "hal", "hal.paged_attention over NHD cache views (permute(0, 2, 1, 3) of NHD "
                      "copies), automatic dispatch", _hal_nhd, ops=frozenset({DECODE}))]
+    out.append(Contender("hal-split", "hal", "a mixed batch as two hal.paged_attention calls (decode rows, then "
+                         "the multi-token rest), automatic dispatch", _hal_split, ops=frozenset({PREFILL})))
     for p in hal.packs():
         if p.NAME != "emu":
             out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention / hal.mla_decode(pack={p.NAME!r})",
                                  _hal(p.NAME), ops=EVERY_OP))
+        if p.NAME == "cuda":
+            out.append(Contender("hal:cuda-mma", "hal", "hal.paged_attention(pack='cuda') with the mma.sync multi-token "
+                                 "kernel (the sm89 path) forced", _hal_cuda_mma, ops=frozenset({PREFILL})))
     out += [
         Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch, ops=EVERY_OP),
         Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton, ops=EVERY_OP),

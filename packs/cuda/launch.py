@@ -20,6 +20,10 @@ INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # read by two CTAs (the second read mostly hits L2). H200, 2026-11-29, GQA 16 and 20: FP8 1.2-1.6x
 # faster with 8; bf16 1.0-1.15x faster with 16 (docs/cuda.md).
 HEAD_TILE = {1: 8, 2: 16}  # by cache element size
+# Multi-token kernel: "auto" takes the wgmma one (csrc/prefill_sm90.cuh) on an sm_90 GPU for head sizes
+# 64/128/192/256, else the mma.sync one (csrc/prefill.cuh); "mma" forces the latter everywhere (the
+# tests and the bench reach the sm89 path on an H200 this way).
+PREFILL_KERNEL = "auto"
 
 
 @functools.cache
@@ -124,7 +128,7 @@ def _prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, qu
             block_tables.stride(0), scale, ks, vs, 0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss,
             seq_lens.shape[0], h, hkv, bs, 0 if sliding_window is None else sliding_window, int(causal),
             int(query.dtype == torch.bfloat16), max_query_len, 2, *_row_strides(key_cache, "key_cache"),
-            *_row_strides(value_cache, "value_cache")]
+            *_row_strides(value_cache, "value_cache"), int(PREFILL_KERNEL == "mma")]
 
 
 def _multi_token(call) -> bool:

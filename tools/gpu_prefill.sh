@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The cuda pack's multi-token kernels on the lent H200 (docs/cuda.md, "Multi-token attention"): the GPU
+# tests, then the prefill bench with its baselines. Run from the repo root on the device machine, with
+# `.whl` (FlashInfer's trimmed copy and tvm-ffi from ../shared/tools/flashinfer/prep_flashinfer_carry.sh,
+# the fa3-fwd 0.0.3 wheel) and the module (built here for Python 3.12 and xz'd to build/C312.so.xz, or
+# packs/cuda/_C*.so) carried along.
+#   STEPS="tests bench" (default), also "slow" (128K prefill, 4 GiB cache) and "sanitizer"
+#   BENCH="prefill prefill-extra", BUDGET=1 (seconds a row)
+set -o pipefail
+OUT=${OUT:-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"tests bench"}
+if [ -f build/C312.so.xz ]; then xz -dc build/C312.so.xz > packs/cuda/_C.cpython-312-x86_64-linux-gnu.so; fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && tar -xJf .whl/fi_trim.tar.xz -C /tmp/site || echo "baselines could not be installed" >&2
+fi
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+for step in $STEPS; do
+  case $step in
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_cuda_prefill.py tests/test_cuda_pack.py \
+             -m "cuda and not slow" 2>&1 | tail -30 | tee "$OUT/pytest.log" ;;
+    slow) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_prefill.py -m "cuda and slow" 2>&1 \
+             | tail -15 | tee "$OUT/pytest_slow.log" ;;
+    sanitizer)
+      for tool in memcheck racecheck; do
+        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
+          tests/test_cuda_prefill.py -k "geometries and mixed or test_not_causal or block_sizes and 8" 2>&1 \
+          | tail -8 | tee "$OUT/sanitizer_$tool.log"
+      done ;;
+    bench) timeout 420 python3 tools/bench --shapes ${BENCH:-prefill prefill-extra} --kv-dtype bf16,e4m3fn \
+             --contenders hal hal-split hal:cuda-mma flashinfer-prefill fa3 fa3-fp8 --budget ${BUDGET:-1} \
+             --json "$OUT/bench-prefill.json" 2>"$OUT/bench-progress.log" | tee "$OUT/bench-prefill.txt" | tail -3
+           tail -3 "$OUT/bench-progress.log" ;;
+  esac
+done
