@@ -165,17 +165,49 @@ def test_features_with_per_head_scales(feature, cache):
     _check(_varlen(*GEOMETRIES["mixed"], cache_dtype=cache, per_head_scales=True, seed=6, **FEATURES[feature]))
 
 
+WGMMA_CASES = {  # the opt-in sm_90a kernel: every geometry kind, features, windows, GQA 17, NHD views
+    "mixed": (GEOMETRIES["mixed"], {}),
+    "prefill": (GEOMETRIES["prefill"], {}),
+    "chunked-gqa17": (GEOMETRIES["chunked"], dict(num_heads=17, num_kv_heads=1)),
+    "speculative": (GEOMETRIES["speculative"], {}),
+    "features": (GEOMETRIES["mixed"], dict(per_head_scales=True, **FEATURES["all"])),
+    "window-1": (GEOMETRIES["mixed"], FEATURES["window_1"]),
+    "not-causal": (([60, 33, 1, 250], [20, 33, 1, 130]), dict(causal=False)),
+    "block-256": (([700, 3, 1290], [700, 3, 400]), dict(block_size=256)),
+}
+
+
 @gpu
-@pytest.mark.parametrize("head_size", (64, 128, 256))
-@pytest.mark.parametrize("cache", (torch.bfloat16, torch.float8_e4m3fn), ids=str)
-def test_mma_sync_kernel_where_the_wgmma_one_runs(head_size, cache, monkeypatch):
-    """On an H200 head sizes 64/128/192/256 take the sm_90a kernel (prefill_sm90.cuh); the mma.sync one
-    (prefill.cuh, the sm89 path) is forced here so it stays proven for them too, features included."""
+@pytest.mark.parametrize("case", sorted(WGMMA_CASES))
+@pytest.mark.parametrize("head_size", (64, 128, 192))
+@pytest.mark.parametrize("cache", CACHES, ids=str)
+def test_opt_in_wgmma_kernel(case, head_size, cache, monkeypatch):
+    """launch.PREFILL_KERNEL = "wgmma": csrc/prefill_sm90.cuh on an sm_90 GPU (elsewhere the mma.sync kernel
+    runs and this checks that), against float64 and emu like the default kernel."""
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "PREFILL_KERNEL", "wgmma")
+    (lens, qls), kw = WGMMA_CASES[case]
+    _check(_varlen(lens, qls, head_size=head_size, cache_dtype=cache, seed=head_size, **kw))
+
+
+@gpu
+@pytest.mark.parametrize("cache", CACHES, ids=str)
+def test_mma_sync_kernel_where_the_tuning_picks_wgmma(cache, monkeypatch):
+    """launch.PREFILL_KERNEL = "mma" at head 128 (which the sm_90 tuning entry sends to the wgmma kernel):
+    the sm89 path stays proven on the H200, features included."""
     from hal.kernelpacks.cuda import launch
     monkeypatch.setattr(launch, "PREFILL_KERNEL", "mma")
-    _check(_varlen(*GEOMETRIES["mixed"], head_size=head_size, cache_dtype=cache, seed=head_size))
-    _check(_varlen(*GEOMETRIES["mixed"], head_size=head_size, cache_dtype=cache, per_head_scales=True, seed=2,
-                   **FEATURES["all"]))
+    _check(_varlen(*GEOMETRIES["mixed"], cache_dtype=cache, seed=31))
+    _check(_varlen(*GEOMETRIES["chunked"], cache_dtype=cache, per_head_scales=True, seed=32, **FEATURES["all"]))
+
+
+@gpu
+def test_opt_in_wgmma_kernel_reads_nhd_views_bit_for_bit(monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "PREFILL_KERNEL", "wgmma")
+    case = _varlen(*GEOMETRIES["mixed"], num_kv_heads=4, num_heads=16, seed=21)
+    dense = _check(case)
+    assert torch.equal(_run(case, key_cache=_nhd(case.key_cache), value_cache=_nhd(case.value_cache)), dense)
 
 
 @gpu

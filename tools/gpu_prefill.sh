@@ -4,7 +4,7 @@
 # `.whl` (FlashInfer's trimmed copy and tvm-ffi from ../shared/tools/flashinfer/prep_flashinfer_carry.sh,
 # the fa3-fwd 0.0.3 wheel) and the module (built here for Python 3.12 and xz'd to build/C312.so.xz, or
 # packs/cuda/_C*.so) carried along.
-#   STEPS="tests bench" (default), also "slow" (128K prefill, 4 GiB cache) and "sanitizer"
+#   STEPS="tests bench" (default), also "slow" (128K prefill, 4 GiB cache), "sanitizer", "profile" (ncu)
 #   BENCH="prefill prefill-extra", BUDGET=1 (seconds a row)
 set -o pipefail
 OUT=${OUT:-results}
@@ -24,14 +24,21 @@ for step in $STEPS; do
              -m "cuda and not slow" 2>&1 | tail -30 | tee "$OUT/pytest.log" ;;
     slow) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_prefill.py -m "cuda and slow" 2>&1 \
              | tail -15 | tee "$OUT/pytest_slow.log" ;;
-    sanitizer)
+    sanitizer)  # both kernels, a mixed batch (prefill + decode + split-K merge) over an e4m3 cache
       for tool in memcheck racecheck; do
-        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
-          tests/test_cuda_prefill.py -k "geometries and mixed or test_not_causal or block_sizes and 8" 2>&1 \
-          | tail -8 | tee "$OUT/sanitizer_$tool.log"
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
+          tests/test_cuda_prefill.py -k "test_geometries and mixed and e4m3 or opt_in_wgmma and mixed and 128 and e4m3" \
+          2>&1 | tail -6 | tee "$OUT/sanitizer_$tool.log"
       done ;;
+    profile)  # Nsight Compute on one 8x2048/32x8x128 prefill, each kernel, bf16 and e4m3fn caches
+      for kernel in mma wgmma; do for cache in bfloat16 float8_e4m3fn; do
+        timeout 120 ncu --kernel-name regex:prefill --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+          --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+          python3 tools/prefill_once.py $kernel $cache > "$OUT/ncu_${kernel}_$cache.txt" 2>&1
+        tail -3 "$OUT/ncu_${kernel}_$cache.txt"
+      done; done ;;
     bench) timeout 420 python3 tools/bench --shapes ${BENCH:-prefill prefill-extra} --kv-dtype bf16,e4m3fn \
-             --contenders hal hal-split hal:cuda-mma flashinfer-prefill fa3 fa3-fp8 --budget ${BUDGET:-1} \
+             --contenders hal hal-split hal:cuda-wgmma flashinfer-prefill fa3 fa3-fp8 --budget ${BUDGET:-1} \
              --json "$OUT/bench-prefill.json" 2>"$OUT/bench-progress.log" | tee "$OUT/bench-prefill.txt" | tail -3
            tail -3 "$OUT/bench-progress.log" ;;
   esac

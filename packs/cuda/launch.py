@@ -20,10 +20,18 @@ INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # read by two CTAs (the second read mostly hits L2). H200, 2026-11-29, GQA 16 and 20: FP8 1.2-1.6x
 # faster with 8; bf16 1.0-1.15x faster with 16 (docs/cuda.md).
 HEAD_TILE = {1: 8, 2: 16}  # by cache element size
-# Multi-token kernel: "auto" takes the wgmma one (csrc/prefill_sm90.cuh) on an sm_90 GPU for head sizes
-# 64/128/192/256, else the mma.sync one (csrc/prefill.cuh); "mma" forces the latter everywhere (the
-# tests and the bench reach the sm89 path on an H200 this way).
+# Multi-token kernel: "auto" (the tuning entry's "prefill" "wgmma_head_sizes" take the wgmma kernel,
+# the rest the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch) or "wgmma"
+# (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a producer warpgroup: where it can run, an sm_90 GPU
+# with sm_90a code in the module and head sizes 64/128/192; elsewhere the mma.sync kernel runs).
 PREFILL_KERNEL = "auto"
+
+
+def _prefill_wgmma(head_size: int, device: torch.device) -> bool:
+    if PREFILL_KERNEL != "auto":
+        return PREFILL_KERNEL == "wgmma"
+    _, arch = _device_facts(_device_index(device))
+    return head_size in tuning_for(arch).get("prefill", {}).get("wgmma_head_sizes", ())
 
 
 @functools.cache
@@ -128,7 +136,7 @@ def _prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, qu
             block_tables.stride(0), scale, ks, vs, 0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss,
             seq_lens.shape[0], h, hkv, bs, 0 if sliding_window is None else sliding_window, int(causal),
             int(query.dtype == torch.bfloat16), max_query_len, 2, *_row_strides(key_cache, "key_cache"),
-            *_row_strides(value_cache, "value_cache"), int(PREFILL_KERNEL == "mma")]
+            *_row_strides(value_cache, "value_cache"), int(_prefill_wgmma(d, query.device))]
 
 
 def _multi_token(call) -> bool:

@@ -100,7 +100,7 @@ PYBIND11_MODULE(_C, m) {
            int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
            int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int block_size,
            int window, int causal, int q_is_bf16, int max_query_len, int min_rows, int64_t k_head_stride,
-           int64_t k_row, int64_t v_head_stride, int64_t v_row, int mma_only, std::uintptr_t stream) {
+           int64_t k_row, int64_t v_head_stride, int64_t v_row, int wgmma, std::uintptr_t stream) {
           PrefillParams p{};
           p.out = ptr<void>(out); p.query = ptr<const void>(query);
           p.key_cache = ptr<const uint8_t>(key_cache); p.value_cache = ptr<const uint8_t>(value_cache);
@@ -119,7 +119,7 @@ PYBIND11_MODULE(_C, m) {
           if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
           if (query_start_loc == 0) throw std::invalid_argument("prefill needs query_start_loc");
           p.window = window; p.causal = causal; p.q_is_bf16 = q_is_bf16; p.min_rows = min_rows;
-          p.mma_only = mma_only;
+          p.wgmma = wgmma;
           if (num_seqs == 0 || max_query_len <= 0) return;
           auto s = reinterpret_cast<cudaStream_t>(stream);
           int err;

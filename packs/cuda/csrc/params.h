@@ -56,7 +56,7 @@ struct PrefillParams {
   int window, causal, q_is_bf16;  // window <= 0: off
   int row_tiles;                // CTAs a (sequence, KV head): ceil(max_query_len * gqa / rows a CTA)
   int min_rows;                 // sequences with fewer query rows are skipped (2: decode takes 1-row ones)
-  int mma_only;                 // 1: the mma.sync kernel even where the sm_90a one would run (tests, bench)
+  int wgmma;                    // 1: the sm_90a kernel (prefill_sm90.cuh) where it can run, else mma.sync
 };
 
 struct CacheParams {

@@ -18,16 +18,23 @@
 
 namespace hal_cuda {
 
-constexpr int kWgThreads = 256;
+constexpr int kWgThreads = 384;  // a producer warpgroup and two consumer warpgroups
 
-template <int D> struct WgShape {
-  static constexpr int kRows = 128;                 // query rows a CTA (two warpgroups of 64)
-  static constexpr int kN = D <= 128 ? 128 : 64;    // keys a step (shared memory: 227 KiB at D = 256)
-  static constexpr int kStage = D + 16;             // bytes between FP8 staging rows (conflict-free reads)
+// Pipeline depth in shared memory (227 KiB): 16-bit caches gather straight into kBufs operand buffers,
+// kBufs - 1 tiles ahead of the consumers; FP8 caches gather into kStages byte staging tiles (kStages - 1
+// ahead), widened into 2 operand buffers.
+template <Kind K, int D> struct WgShape {
+  static constexpr int kRows = 128;      // query rows a CTA (two consumer warpgroups of 64)
+  static constexpr int kN = 64;          // keys a step
+  static constexpr int kStage = D + 16;  // bytes between FP8 staging rows (conflict-free reads)
+  static constexpr bool kFp8 = Traits<K>::kFp8;
+  static constexpr int kBufs = kFp8 ? 2 : (D <= 128 ? 4 : 3);
+  static constexpr int kStages = kFp8 ? (D <= 128 ? 4 : 3) : 0;
 };
 
-// D with a wgmma kernel: multiples of 64 (the products are issued as 64-column pieces)
-__host__ __device__ constexpr bool wg_head_size(int d) { return d == 64 || d == 128 || d == 192 || d == 256; }
+// D with a wgmma kernel: multiples of 64 (the products are issued as 64-column pieces) whose pipeline
+// fits in shared memory at depth 3 (256: the mma.sync kernel)
+__host__ __device__ constexpr bool wg_head_size(int d) { return d == 64 || d == 128 || d == 192; }
 
 // Whether the current device runs the sm_90a kernel: an sm_90 GPU, and sm_90a code in this module
 // (HAL_CUDA_SM90A: CMake saw 90a among the archs; other sm_90 builds hold an empty body that traps).
@@ -49,28 +56,38 @@ inline bool prefill_uses_wgmma() {
 }
 
 template <Kind K, int D> constexpr int wg_smem_bytes() {
-  using S = WgShape<D>;
-  return S::kRows * D * 2 + 4 * S::kN * D * 2 + (Traits<K>::kFp8 ? 2 * S::kN * S::kStage : 0);
+  using S = WgShape<K, D>;
+  return S::kRows * D * 2 + 2 * S::kBufs * S::kN * D * 2 + 2 * S::kStages * S::kN * S::kStage + 16;
+}
+
+// Named barriers (0 is __syncthreads): the producer's own, and per buffer "full" (producer -> consumers)
+// and "empty" (consumers -> producer), each over all 384 threads.
+enum : int { kBarProducer = 1, kBarFull = 2, kBarEmpty = 6 };
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 template <Kind K, int D, bool kPlain>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const PrefillParams p) {
 #ifdef HAL_WGMMA
-  using SH = WgShape<D>;
-  constexpr int ROWS = SH::kRows, N = SH::kN, NC = N / 64, DC = D / 64, KB = D / 16, CH = D / 8;
+  using SH = WgShape<K, D>;
+  constexpr int NB = SH::kBufs, NT = SH::kStages;
+  constexpr int ROWS = SH::kRows, N = SH::kN, DC = D / 64, KB = D / 16, CH = D / 8;
   constexpr bool kFp8 = Traits<K>::kFp8;
   constexpr bool kBf = Traits<K>::kBf16Math;
   constexpr int kBpe = Traits<K>::kBytes;
-  constexpr int kWarps = kWgThreads / 32;
+  constexpr int kP = 128;  // producer threads
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr uint32_t kRowGroup = CH * 128;  // bytes between 8-row groups of a tile
 
   extern __shared__ __align__(128) uint8_t smem[];
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* sK = sQ + ROWS * D;      // two buffers of N x D
-  uint16_t* sV = sK + 2 * N * D;
-  uint8_t* stK = reinterpret_cast<uint8_t*>(sV + 2 * N * D);  // FP8 staging: N rows of kStage bytes
-  uint8_t* stV = stK + N * SH::kStage;
+  uint16_t* sK = sQ + ROWS * D;      // NB buffers of N x D
+  uint16_t* sV = sK + NB * N * D;
+  uint8_t* stg = reinterpret_cast<uint8_t*>(sV + NB * N * D);  // FP8: NT stages of K and V staging rows
+  float* s_qmul = reinterpret_cast<float*>(stg + 2 * NT * N * SH::kStage);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg = warp / 4;
@@ -91,115 +108,168 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
   const int kv_hi = min(L, p.causal ? pos_last + 1 : L);
   const int full_lo = p.window > 0 ? max(0, pos_last - p.window + 1) : 0;
   const int full_hi = p.causal ? pos_first + 1 : L;
+  const int j_begin = kv_lo & ~(N - 1);
+  const int steps = kv_hi > j_begin ? (kv_hi - j_begin + N - 1) / N : 0;
 
-  const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
-  const int64_t k_head = (int64_t)kvh * p.k_head_stride, v_head = (int64_t)kvh * p.v_head_stride;
-
-  // ---- gathers: 16-byte pieces, the 8 rows of a core matrix on 8 neighbouring threads ----
-  constexpr int kPieces = D * kBpe / 16;  // 16-byte pieces a cache row
-  auto gather = [&](int j0, const uint8_t* cache, int64_t block_stride, int64_t head_off, int64_t row,
-                    uint16_t* tile16, uint8_t* staging) {
-#pragma unroll 4
-    for (int c = tid; c < N * kPieces; c += kWgThreads) {
-      const int r = (c & 7) + 8 * (c / (8 * kPieces)), piece = (c >> 3) % kPieces;
-      const int j = j0 + r;
+  if (wg == 0) {
+    // ================= producer: Q, then every K/V tile through the block table =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");  // registers to the consumers (O is theirs)
+    const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
+    const int64_t k_head = (int64_t)kvh * p.k_head_stride, v_head = (int64_t)kvh * p.v_head_stride;
+    constexpr int kPieces = D * kBpe / 16;  // 16-byte pieces a cache row
+    // 16-byte pieces, the 8 rows of a core matrix on 8 neighbouring threads
+    // Each producer thread owns one token row of a tile (r: 8 neighbouring threads hold the 8 rows of a
+    // core matrix) and every other 16-byte piece of it (half = 0 or 1): one block-table read a tile for
+    // K and V together, and the pieces' addresses are compile-time offsets from the row's.
+    static_assert(N * 2 == kP, "two producer threads a token row");
+    const int r = (tid & 7) + 8 * (tid >> 4), half = (tid >> 3) & 1;
+    const int cm_row = cm_offset(r, 0, D);
+    auto load = [&](int i) {  // tile i: FP8 into staging stage i % NT, 16-bit into buffer i % NB
+      const int j = j_begin + i * N + r, b = i % NB;
       const bool ok = j >= kv_lo && j < kv_hi;
       const int64_t page = ok ? table[j >> p.block_shift] : 0;
-      const uint8_t* src = cache + page * block_stride + head_off + (int64_t)(j & (p.block_size - 1)) * row + piece * 16;
-      void* dst = kFp8 ? static_cast<void*>(staging + r * SH::kStage + piece * 16)
-                       : static_cast<void*>(tile16 + cm_offset(r, piece, D));
-      cp_async16(dst, ok ? src : cache, ok);
-    }
-  };
-  auto load = [&](int j0, int buf) {
-    gather(j0, p.key_cache, p.k_stride0, k_head, p.k_row, sK + buf * N * D, stK);
-    gather(j0, p.value_cache, p.v_stride0, v_head, p.v_row, sV + buf * N * D, stV);
-  };
-  auto widen = [&](int buf) {  // FP8 staging -> fp16 tiles of buffer buf, one 8-column chunk a pass
-    uint16_t* k16 = sK + buf * N * D;
-    uint16_t* v16 = sV + buf * N * D;
-#pragma unroll 4
-    for (int c = tid; c < N * CH; c += kWgThreads) {
-      const int r = (c & 7) + 8 * (c / (8 * CH)), ch = (c >> 3) % CH;
-      const uint2 kb = *reinterpret_cast<const uint2*>(stK + r * SH::kStage + ch * 8);
-      const uint2 vb = *reinterpret_cast<const uint2*>(stV + r * SH::kStage + ch * 8);
-      *reinterpret_cast<uint4*>(k16 + cm_offset(r, ch, D)) =
-          make_uint4(fp8x2_to_f16x2<K>(kb.x), fp8x2_to_f16x2<K>(kb.x >> 16), fp8x2_to_f16x2<K>(kb.y), fp8x2_to_f16x2<K>(kb.y >> 16));
-      *reinterpret_cast<uint4*>(v16 + cm_offset(r, ch, D)) =
-          make_uint4(fp8x2_to_f16x2<K>(vb.x), fp8x2_to_f16x2<K>(vb.x >> 16), fp8x2_to_f16x2<K>(vb.y), fp8x2_to_f16x2<K>(vb.y >> 16));
-    }
-  };
-
-  // ---- Q tile: row r -> (token (R0 + r) / gqa, head kvh * gqa + (R0 + r) % gqa); rows past R1 zero ----
-  auto q_row = [&](int r) -> const uint8_t* {
-    const int R = R0 + r;
-    return reinterpret_cast<const uint8_t*>(p.query) +
-           ((int64_t)(q0 + R / p.gqa) * p.q_stride0 + (int64_t)(kvh * p.gqa + R % p.gqa) * p.q_stride1) * 2;
-  };
-  float qmul = 1.f;
-  if (kFp8 && p.q_is_bf16) {
-    __shared__ float red[kWarps];
-    float amax = 0.f;
-    for (int c = tid; c < ROWS * CH; c += kWgThreads) {
-      const int r = c / CH, col = (c % CH) * 8;
-      if (R0 + r > R1) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + col * 2);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      const int64_t slot = j & (p.block_size - 1);
+      const uint8_t* ks = ok ? p.key_cache + page * p.k_stride0 + k_head + slot * p.k_row : p.key_cache;
+      const uint8_t* vs = ok ? p.value_cache + page * p.v_stride0 + v_head + slot * p.v_row : p.value_cache;
+      if constexpr (kFp8) {
+        uint8_t* st = stg + (i % NT) * 2 * N * SH::kStage + r * SH::kStage;
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xffff0000u))));
-    }
+        for (int k = half; k < kPieces; k += 2) {
+          cp_async16(st + k * 16, ks + (ok ? k * 16 : 0), ok);
+          cp_async16(st + N * SH::kStage + k * 16, vs + (ok ? k * 16 : 0), ok);
+        }
+      } else {
+        uint16_t* kd = sK + b * N * D + cm_row;
+        uint16_t* vd = sV + b * N * D + cm_row;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) red[warp] = amax;
-    __syncthreads();
-    amax = red[0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) amax = fmaxf(amax, red[w]);
-    float up = 1.f;
-    if (amax > 0.f && isfinite(amax)) {
-      int e;
-      frexpf(amax, &e);
-      qmul = exp2f((float)(e - 15));
-      up = exp2f((float)(15 - e));
-    }
-    for (int c = tid; c < ROWS * CH; c += kWgThreads) {
-      const int r = c / CH, ch = c % CH;
-      uint4 h = make_uint4(0u, 0u, 0u, 0u);
-      if (R0 + r <= R1) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        uint32_t o[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
-        h = make_uint4(o[0], o[1], o[2], o[3]);
+        for (int k = half; k < kPieces; k += 2) {
+          cp_async16(kd + k * 64, ks + (ok ? k * 16 : 0), ok);
+          cp_async16(vd + k * 64, vs + (ok ? k * 16 : 0), ok);
+        }
       }
-      *reinterpret_cast<uint4*>(sQ + cm_offset(r, ch, D)) = h;
+    };
+    auto widen = [&](int i) {  // FP8 staging stage i % NT -> fp16 tiles of buffer i % NB: this thread's row
+      const int b = i % NB;
+      const uint8_t* st = stg + (i % NT) * 2 * N * SH::kStage + r * SH::kStage;
+      uint16_t* k16 = sK + b * N * D + cm_row;
+      uint16_t* v16 = sV + b * N * D + cm_row;
+#pragma unroll
+      for (int ch = half; ch < CH; ch += 2) {
+        const uint2 kb = *reinterpret_cast<const uint2*>(st + ch * 8);
+        const uint2 vb = *reinterpret_cast<const uint2*>(st + N * SH::kStage + ch * 8);
+        *reinterpret_cast<uint4*>(k16 + ch * 64) =
+            make_uint4(fp8x2_to_f16x2<K>(kb.x), fp8x2_to_f16x2<K>(kb.x >> 16), fp8x2_to_f16x2<K>(kb.y), fp8x2_to_f16x2<K>(kb.y >> 16));
+        *reinterpret_cast<uint4*>(v16 + ch * 64) =
+            make_uint4(fp8x2_to_f16x2<K>(vb.x), fp8x2_to_f16x2<K>(vb.x >> 16), fp8x2_to_f16x2<K>(vb.y), fp8x2_to_f16x2<K>(vb.y >> 16));
+      }
+    };
+    // Q tile: row r -> (token (R0 + r) / gqa, head kvh * gqa + (R0 + r) % gqa); rows past R1 zero
+    auto q_row = [&](int r) -> const uint8_t* {
+      const int R = R0 + r;
+      return reinterpret_cast<const uint8_t*>(p.query) +
+             ((int64_t)(q0 + R / p.gqa) * p.q_stride0 + (int64_t)(kvh * p.gqa + R % p.gqa) * p.q_stride1) * 2;
+    };
+    if (kFp8 && p.q_is_bf16) {
+      // bf16 -> fp16 exactly: the tile's largest magnitude scaled into [2^14, 2^15) (decode.cuh's rule)
+      __shared__ float red[4];
+      float amax = 0.f;
+      for (int c = tid; c < ROWS * CH; c += kP) {
+        const int r = c / CH, col = (c % CH) * 8;
+        if (R0 + r > R1) continue;
+        const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + col * 2);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xffff0000u))));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (lane == 0) red[warp] = amax;
+      bar_sync(kBarProducer, kP);
+      amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+      float up = 1.f, qmul = 1.f;
+      if (amax > 0.f && isfinite(amax)) {
+        int e;
+        frexpf(amax, &e);
+        qmul = exp2f((float)(e - 15));
+        up = exp2f((float)(15 - e));
+      }
+      if (tid == 0) *s_qmul = qmul;
+      for (int c = tid; c < ROWS * CH; c += kP) {
+        const int r = c / CH, ch = c % CH;
+        uint4 h = make_uint4(0u, 0u, 0u, 0u);
+        if (R0 + r <= R1) {
+          const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
+          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+          uint32_t o[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+          h = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+        *reinterpret_cast<uint4*>(sQ + cm_offset(r, ch, D)) = h;
+      }
+    } else {
+      if (tid == 0) *s_qmul = 1.f;
+      for (int c = tid; c < ROWS * CH; c += kP) {
+        const int r = c / CH, ch = c % CH;
+        const bool ok = R0 + r <= R1;
+        cp_async16(sQ + cm_offset(r, ch, D), ok ? q_row(r) + ch * 16 : static_cast<const uint8_t*>(p.query), ok);
+      }
     }
-  } else {
-    for (int c = tid; c < ROWS * CH; c += kWgThreads) {
-      const int r = c / CH, ch = c % CH;
-      const bool ok = R0 + r <= R1;
-      cp_async16(sQ + cm_offset(r, ch, D), ok ? q_row(r) + ch * 16 : static_cast<const uint8_t*>(p.query), ok);
+    // tile i's buffer is refilled only after the consumers arrive on its "empty" barrier (they do for
+    // tile k when k + NB < steps: exactly the tiles the producer waits for)
+    if constexpr (kFp8) {
+      // NT - 1 tiles in flight in the staging stages while tile i is widened
+#pragma unroll 1
+      for (int i = 0; i < NT - 1; ++i) {
+        if (i < steps) load(i);
+        cp_async_commit();
+      }
+#pragma unroll 1
+      for (int i = 0; i < steps; ++i) {
+        cp_async_wait_group<NT - 2>();  // tile i (and Q) landed, this thread's part
+        bar_sync(kBarProducer, kP);     // ... every thread's; and every thread is done widening tile i - 1
+        if (i + NT - 1 < steps) load(i + NT - 1);  // into the stage of tile i - 1
+        cp_async_commit();
+        if (i >= NB) bar_sync(kBarEmpty + i % NB, kWgThreads);
+        widen(i);
+        fence_proxy_async();
+        bar_arrive(kBarFull + i % NB, kWgThreads);
+      }
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < NB - 1; ++i) {
+        if (i < steps) load(i);
+        cp_async_commit();
+      }
+#pragma unroll 1
+      for (int i = 0; i < steps; ++i) {
+        cp_async_wait_group<NB - 2>();
+        fence_proxy_async();
+        bar_arrive(kBarFull + i % NB, kWgThreads);
+        if (i + NB - 1 < steps) {  // into the buffer of tile i - 1
+          if (i >= 1) bar_sync(kBarEmpty + (i - 1) % NB, kWgThreads);
+          load(i + NB - 1);
+        }
+        cp_async_commit();
+      }
     }
+    cp_async_wait_all();
+    return;
   }
 
-  const int j_begin = kv_lo & ~(N - 1);
-  if (j_begin < kv_hi) load(j_begin, 0);
-  cp_async_commit();
-
-  // ---- per-row facts of this thread's two rows: warp*16 + g + 8*hi ----
+  // ================= consumers: 64 rows a warpgroup, warp v (1..8 minus 4) rows 16v .. 16v+15 =================
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  const int cw = wg - 1, cwarp = warp - 4;
   int pos[2];
   float slope[2];
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
-    const int R = min(R0 + warp * 16 + g + 8 * hi, R1);
+    const int R = min(R0 + cwarp * 16 + g + 8 * hi, R1);
     pos[hi] = base + R / p.gqa;
     slope[hi] = (!kPlain && p.alibi) ? p.alibi[kvh * p.gqa + R % p.gqa] : 0.f;
   }
   const float ks = p.k_scale_ptr ? p.k_scale_ptr[kvh * p.k_scale_stride] : p.k_scale;
-  const float logit_scale = p.scale * ks * qmul;
-  const float step_scale = kPlain ? logit_scale * kLog2e : logit_scale;
 
   float o[DC][32];
 #pragma unroll
@@ -207,47 +277,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[c][i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float step_scale = 0.f;
 
-  const uint16_t* qwg = sQ + cm_offset(64 * wg, 0, D);
-  int buf = 0;
-  if constexpr (kFp8) {  // the first tile widened before the loop
-    cp_async_wait_all();
-    __syncthreads();
-    widen(0);
-  }
-  for (int j0 = j_begin; j0 < kv_hi; j0 += N) {
-    const bool more = j0 + N < kv_hi;
-    cp_async_wait_all();
-    fence_proxy_async();
-    __syncthreads();  // this step's tile (16-bit: K and V; FP8: its widened tiles) ready; the other buffer free
-    if (more) load(j0 + N, buf ^ 1);  // FP8: into the staging tile (widened below, after S is issued)
-    cp_async_commit();
-
-    // ---- S = Q K^T: 64 rows a warpgroup x N keys, as N/64 pieces of 64 ----
-    float s[NC][32];
+  const uint16_t* qwg = sQ + cm_offset(64 * cw, 0, D);
+  for (int i = 0; i < steps; ++i) {
+    const int j0 = j_begin + i * N, b = i % NB;
+    bar_sync(kBarFull + b, kWgThreads);  // tile i (and, first, Q and its scale) in shared memory
+    if (i == 0) {
+      const float logit_scale = p.scale * ks * *s_qmul;
+      step_scale = kPlain ? logit_scale * kLog2e : logit_scale;
+    }
+    // ---- S = Q K^T: 64 rows x 64 keys ----
+    float s[32];
 #pragma unroll
-    for (int c = 0; c < NC; ++c)
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[c][i] = 0.f;
-    const uint16_t* kt = sK + buf * N * D;
+    for (int e = 0; e < 32; ++e) s[e] = 0.f;
+    const uint16_t* kt = sK + b * N * D;
     wg_fence();
 #pragma unroll
-    for (int kb = 0; kb < KB; ++kb) {
-      const uint64_t da = wg_desc(qwg + kb * 16 * 8, 128, kRowGroup);
-#pragma unroll
-      for (int c = 0; c < NC; ++c) wgmma_ss<kBf>(s[c], da, wg_desc(kt + cm_offset(64 * c, 2 * kb, D), 128, kRowGroup));
-    }
+    for (int kb = 0; kb < KB; ++kb)
+      wgmma_ss<kBf>(s, wg_desc(qwg + kb * 16 * 8, 128, kRowGroup), wg_desc(kt + 2 * kb * 64, 128, kRowGroup));
     wg_commit();
-    if constexpr (kFp8) {
-      if (more) {  // widen the next tile while the products run
-        cp_async_wait_all();
-        __syncthreads();
-        widen(buf ^ 1);
-      }
-    }
     wg_wait<0>();
-#pragma unroll
-    for (int c = 0; c < NC; ++c) wg_pin(s[c]);
+    wg_pin(s);
 
     // ---- scale, soft-cap, ALiBi, mask; online softmax per row ----
     const bool masked = !(j0 >= full_lo && j0 + N <= full_hi);
@@ -257,22 +308,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
       const int hi_j = p.causal ? pos[hi] : L - 1;
       float mx = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < NC; ++c)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float x = s[c][4 * nt + 2 * hi + e] * step_scale;
-            const int j = j0 + 64 * c + nt * 8 + 2 * t + e;
-            if constexpr (!kPlain) {
-              if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
-              if (p.alibi) x += slope[hi] * (float)(j - pos[hi]);
-              x *= kLog2e;
-            }
-            if (masked && (j < lo_j || j > hi_j)) x = -INFINITY;
-            s[c][4 * nt + 2 * hi + e] = x;
-            mx = fmaxf(mx, x);
+        for (int e = 0; e < 2; ++e) {
+          float x = s[4 * nt + 2 * hi + e] * step_scale;
+          const int j = j0 + nt * 8 + 2 * t + e;
+          if constexpr (!kPlain) {
+            if (p.soft_cap > 0.f) x = p.soft_cap * tanhf(x / p.soft_cap);
+            if (p.alibi) x += slope[hi] * (float)(j - pos[hi]);
+            x *= kLog2e;
           }
+          if (masked && (j < lo_j || j > hi_j)) x = -INFINITY;
+          s[4 * nt + 2 * hi + e] = x;
+          mx = fmaxf(mx, x);
+        }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float mn = fmaxf(m[hi], mx);
@@ -281,15 +330,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
       m[hi] = mn;
       float sum = 0.f;
 #pragma unroll
-      for (int c = 0; c < NC; ++c)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float x = fast_exp2(s[c][4 * nt + 2 * hi + e] - ref);
-            s[c][4 * nt + 2 * hi + e] = x;
-            sum += x;
-          }
+        for (int e = 0; e < 2; ++e) {
+          const float x = fast_exp2(s[4 * nt + 2 * hi + e] - ref);
+          s[4 * nt + 2 * hi + e] = x;
+          sum += x;
+        }
       l[hi] = l[hi] * alpha + sum;
 #pragma unroll
       for (int c = 0; c < DC; ++c)
@@ -298,12 +345,12 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
     }
 
     // ---- O += P V: P's k16 slices from the S accumulators, V MN-major ----
-    const uint16_t* vt = sV + buf * N * D;
+    const uint16_t* vt = sV + b * N * D;
     auto pack = [](float lo, float hi) { return kBf ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi); };
     uint32_t pa[N / 16][4];  // all of P packed before the first product (no fence between them)
 #pragma unroll
     for (int kk = 0; kk < N / 16; ++kk) {
-      const float* sc = s[kk / 4] + 8 * (kk % 4);  // n8 tiles 2kk and 2kk+1 of the S piece
+      const float* sc = s + 8 * kk;  // n8 tiles 2kk and 2kk+1
       pa[kk][0] = pack(sc[0], sc[1]);
       pa[kk][1] = pack(sc[2], sc[3]);
       pa[kk][2] = pack(sc[4], sc[5]);
@@ -321,9 +368,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
     wg_wait<0>();
 #pragma unroll
     for (int c = 0; c < DC; ++c) wg_pin(o[c]);
-    buf ^= 1;
+    if (i + NB < steps) bar_arrive(kBarEmpty + b, kWgThreads);  // buffer b free for tile i + NB
   }
-  cp_async_wait_all();
 
   // ---- normalise and write this thread's rows ----
   const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
@@ -332,7 +378,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
     float lsum = l[hi];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
-    const int R = R0 + warp * 16 + g + 8 * hi;
+    const int R = R0 + cwarp * 16 + g + 8 * hi;
     if (R > R1) continue;
     const float f = lsum == 0.f ? 0.f : vs / lsum;
     uint8_t* orow = reinterpret_cast<uint8_t*>(p.out) +
