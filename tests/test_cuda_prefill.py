@@ -191,17 +191,6 @@ def test_opt_in_wgmma_kernel(case, head_size, cache, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("cache", CACHES, ids=str)
-def test_mma_sync_kernel_where_the_tuning_picks_wgmma(cache, monkeypatch):
-    """launch.PREFILL_KERNEL = "mma" at head 128 (which the sm_90 tuning entry sends to the wgmma kernel):
-    the sm89 path stays proven on the H200, features included."""
-    from hal.kernelpacks.cuda import launch
-    monkeypatch.setattr(launch, "PREFILL_KERNEL", "mma")
-    _check(_varlen(*GEOMETRIES["mixed"], cache_dtype=cache, seed=31))
-    _check(_varlen(*GEOMETRIES["chunked"], cache_dtype=cache, per_head_scales=True, seed=32, **FEATURES["all"]))
-
-
-@gpu
 def test_opt_in_wgmma_kernel_reads_nhd_views_bit_for_bit(monkeypatch):
     from hal.kernelpacks.cuda import launch
     monkeypatch.setattr(launch, "PREFILL_KERNEL", "wgmma")
