@@ -125,3 +125,22 @@ def test_tune_stamp_keeps_the_commands_of_classes_it_did_not_retune():
     b = tune._stamp_with_history({"command": "B", "classes": ["fp8-short"]}, a)
     c = tune._stamp_with_history({"command": "C", "classes": ["fp8-long", "16bit-short", "16bit-long"]}, b)
     assert [st["command"] for st in c["earlier"]] == ["B"]
+
+
+def test_prefill_kernel_choice_needs_a_geomean_win_and_no_shape_lost_beyond_the_margin():
+    from hal.kernelpacks.cuda import tune_prefill
+    times = {
+        64: {"a": {"mma": 1.0, "wgmma": 1.05}, "b": {"mma": 1.0, "wgmma": 1.06}},     # slower
+        128: {"a": {"mma": 1.3, "wgmma": 1.0}, "b": {"mma": 1.0, "wgmma": 1.01}},     # wins, loses 1 %
+        192: {"a": {"mma": 2.0, "wgmma": 1.0}, "b": {"mma": 1.0, "wgmma": 1.2}},      # wins, loses 17 %
+    }
+    picked, why = tune_prefill.choose(times, 0.02)
+    assert picked == [128]
+    assert why[128]["worst_speedup"] == pytest.approx(1 / 1.01)
+    assert why[192]["geomean_speedup"] > 1.02 and why[192]["worst_speedup"] < 1 / 1.02
+
+
+def test_prefill_mode_names_bad_head_sizes(capsys):
+    from hal.kernelpacks.cuda import tune
+    assert tune.main(["--prefill", "--head-sizes", "80"]) == 2
+    assert "--head-sizes expects some of 64, 128, 192" in capsys.readouterr().out

@@ -6,6 +6,7 @@ times ``hal.paged_attention`` on a few representative shapes under every candida
 the geometric mean over the shapes of its time relative to the best candidate's time for that shape,
 and keeps the best. Every candidate's output is compared with the first one's (a split of the context
 changes only the order of float sums). ``--write`` stores the result under this GPU's arch.
+``--prefill`` chooses the multi-token kernel per head size instead (packs/cuda/tune_prefill.py).
 """
 
 from __future__ import annotations
@@ -138,8 +139,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="candidates (0: never a warp per row; f: from f x the target CTA count of rows), comma-separated")
     ap.add_argument("--write", action="store_true", help="store the choices in packs/cuda/tuning.json under this arch")
     ap.add_argument("--json", help="write every timing here")
+    ap.add_argument("--prefill", action="store_true",
+                    help="instead: time the multi-token kernels (mma.sync vs the sm_90a wgmma one) per head size and "
+                         "choose the tuning entry's prefill.wgmma_head_sizes (packs/cuda/tune_prefill.py)")
+    ap.add_argument("--head-sizes", default="64,128,192", help="--prefill: head sizes to time, comma-separated")
+    ap.add_argument("--margin", type=float, default=0.02,
+                    help="--prefill: the wgmma kernel must win by this fraction on the geometric mean and lose by "
+                         "no more on any shape")
     args = ap.parse_args(argv)
     console = Console()
+    if args.prefill:
+        from . import tune_prefill
+        return tune_prefill.run(args, console, " ".join(argv if argv is not None else sys.argv[1:]))
     try:
         grid = {"--ctas-per-sm": _numbers(args.ctas_per_sm, int), "--waves": _numbers(args.waves),
                 "--min-partition": _numbers(args.min_partition, int), "--warp-rows": _numbers(args.warp_rows)}

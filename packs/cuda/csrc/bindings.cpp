@@ -18,6 +18,14 @@ static void check(int err, const char* what) {
 template <typename T>
 static T* ptr(std::uintptr_t v) { return reinterpret_cast<T*>(v); }
 
+// log2 of a power-of-two block size (the kernels shift, never divide)
+static int block_shift(int block_size) {
+  int shift = 0;
+  while ((1 << shift) < block_size) ++shift;
+  if ((1 << shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+  return shift;
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hal cuda pack kernels (paged decode and multi-token attention, partition reduce, cache_kv, MLA decode, cache rows)";
   m.def("device_count", [] {
@@ -64,9 +72,7 @@ PYBIND11_MODULE(_C, m) {
           p.num_seqs = num_seqs; p.num_heads = num_heads; p.num_kv_heads = num_kv_heads;
           p.gqa = num_heads / num_kv_heads; p.head_tiles = head_tiles;
           p.block_size = block_size;
-          p.block_shift = 0;
-          while ((1 << p.block_shift) < block_size) ++p.block_shift;
-          if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+          p.block_shift = block_shift(block_size);
           p.partition_size = partition_size; p.num_parts = num_parts; p.window = window; p.q_is_bf16 = q_is_bf16;
           p.warp_rows = warp_rows;
           if (warp_rows && head_tiles * 8 < p.gqa) {
@@ -114,9 +120,7 @@ PYBIND11_MODULE(_C, m) {
           p.k_scale_stride = k_scale_stride; p.v_scale_stride = v_scale_stride;
           p.num_seqs = num_seqs; p.num_heads = num_heads; p.num_kv_heads = num_kv_heads;
           p.gqa = num_heads / num_kv_heads; p.block_size = block_size;
-          p.block_shift = 0;
-          while ((1 << p.block_shift) < block_size) ++p.block_shift;
-          if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+          p.block_shift = block_shift(block_size);
           if (query_start_loc == 0) throw std::invalid_argument("prefill needs query_start_loc");
           p.window = window; p.causal = causal; p.q_is_bf16 = q_is_bf16; p.min_rows = min_rows;
           p.wgmma = wgmma;
@@ -185,9 +189,7 @@ PYBIND11_MODULE(_C, m) {
           p.kpe_block_stride = kpe_block_stride; p.kpe_token_stride = kpe_token_stride; p.bt_stride0 = bt_stride0;
           p.scale = scale; p.ckv_scale = ckv_scale; p.kpe_scale = kpe_scale;
           p.num_seqs = num_seqs; p.num_heads = num_heads; p.total_q = total_q; p.block_size = block_size;
-          p.block_shift = 0;
-          while ((1 << p.block_shift) < block_size) ++p.block_shift;
-          if ((1 << p.block_shift) != block_size) throw std::invalid_argument("block_size must be a power of two");
+          p.block_shift = block_shift(block_size);
           if (partition_size % 64 != 0) throw std::invalid_argument("partition_size must be a multiple of 64");
           p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
           if (num_seqs == 0 || total_q == 0) return;

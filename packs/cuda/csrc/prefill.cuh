@@ -55,6 +55,101 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
+// The rows of a CTA and the keys they see (both kernels: this one and prefill_sm90.cuh). Rows are
+// (token, GQA head) pairs of one sequence and KV head, the heads fastest; tile blockIdx.x % row_tiles
+// counted from the end (the longest rows, the last tokens, first).
+struct PrefillTile {
+  int seq, kvh, q0, qlen, R0, R1, L;
+  int base;              // position of the sequence's first new token (bottom-right aligned)
+  int kv_lo, kv_hi;      // keys some row of the CTA sees
+  int full_lo, full_hi;  // keys every row sees (a step inside them needs no mask)
+};
+
+// false: nothing for this CTA (a one-row sequence, the decode kernel's in a mixed call; or past its rows)
+__device__ __forceinline__ bool prefill_tile(const PrefillParams& p, int rows, PrefillTile& t) {
+  t.seq = blockIdx.x / p.row_tiles;
+  const int tile = p.row_tiles - 1 - blockIdx.x % p.row_tiles;
+  t.kvh = blockIdx.y;
+  t.q0 = p.query_start_loc[t.seq];
+  t.qlen = p.query_start_loc[t.seq + 1] - t.q0;
+  if (t.qlen < p.min_rows) return false;
+  const int nrows = t.qlen * p.gqa;
+  t.R0 = tile * rows;
+  if (t.R0 >= nrows) return false;
+  t.R1 = min(t.R0 + rows, nrows) - 1;
+  t.L = p.seq_lens[t.seq];
+  t.base = t.L - t.qlen;
+  const int pos_first = t.base + t.R0 / p.gqa, pos_last = t.base + t.R1 / p.gqa;
+  t.kv_lo = p.window > 0 ? max(0, pos_first - p.window + 1) : 0;
+  t.kv_hi = min(t.L, p.causal ? pos_last + 1 : t.L);
+  t.full_lo = p.window > 0 ? max(0, pos_last - p.window + 1) : 0;
+  t.full_hi = p.causal ? pos_first + 1 : t.L;
+  return true;
+}
+
+// The CTA's kRows query rows into shared memory, row r's 8-column chunk ch at element off(r, ch); rows
+// past R1 zero. kThreads threads (tid < kThreads, whole warps) take part; sync() joins them. A bf16 query
+// over an FP8 cache is scaled exactly into fp16 by a power of two (the tile's largest magnitude into
+// [2^14, 2^15), decode.cuh's rule) and the factor to fold into the logit scale returned; otherwise the
+// rows are copied by cp.async (the caller waits) and 1 returned.
+template <bool kFp8, int D, int kRows, int kThreads, class Off, class Sync>
+__device__ __forceinline__ float stage_query(const PrefillParams& p, const PrefillTile& t, uint16_t* sQ, int tid,
+                                             Off off, Sync sync) {
+  constexpr int CH = D / 8;
+  auto q_row = [&](int r) -> const uint8_t* {  // row r: token (R0 + r) / gqa, head kvh * gqa + (R0 + r) % gqa
+    const int R = t.R0 + r;
+    return reinterpret_cast<const uint8_t*>(p.query) +
+           ((int64_t)(t.q0 + R / p.gqa) * p.q_stride0 + (int64_t)(t.kvh * p.gqa + R % p.gqa) * p.q_stride1) * 2;
+  };
+  if (!(kFp8 && p.q_is_bf16)) {
+    for (int c = tid; c < kRows * CH; c += kThreads) {
+      const int r = c / CH, ch = c % CH;
+      const bool ok = t.R0 + r <= t.R1;
+      cp_async16(sQ + off(r, ch), ok ? q_row(r) + ch * 16 : static_cast<const uint8_t*>(p.query), ok);
+    }
+    return 1.f;
+  }
+  __shared__ float red[kThreads / 32];
+  float amax = 0.f;
+  for (int c = tid; c < kRows * CH; c += kThreads) {
+    const int r = c / CH, ch = c % CH;
+    if (t.R0 + r > t.R1) continue;
+    const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xffff0000u))));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (tid % 32 == 0) red[tid / 32] = amax;
+  sync();
+  amax = red[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) amax = fmaxf(amax, red[w]);
+  float up = 1.f, qmul = 1.f;
+  if (amax > 0.f && isfinite(amax)) {
+    int e;
+    frexpf(amax, &e);
+    qmul = exp2f((float)(e - 15));
+    up = exp2f((float)(15 - e));
+  }
+  for (int c = tid; c < kRows * CH; c += kThreads) {
+    const int r = c / CH, ch = c % CH;
+    uint4 h = make_uint4(0u, 0u, 0u, 0u);
+    if (t.R0 + r <= t.R1) {
+      const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+      h = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    *reinterpret_cast<uint4*>(sQ + off(r, ch)) = h;
+  }
+  return qmul;
+}
+
 template <Kind K, int D, bool kPlain>
 __global__ void __launch_bounds__(kPrefillThreads, 2) prefill_kernel(const PrefillParams p) {
   // kPlain: no soft-cap and no ALiBi (compiled without their arithmetic)
@@ -74,24 +169,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) prefill_kernel(const Prefi
   uint8_t* stV = stK + N * D;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int seq = blockIdx.x / p.row_tiles;
-  const int tile = p.row_tiles - 1 - blockIdx.x % p.row_tiles;  // the longest rows (last tokens) first
-  const int kvh = blockIdx.y;
-  const int q0 = p.query_start_loc[seq];
-  const int qlen = p.query_start_loc[seq + 1] - q0;
-  if (qlen < p.min_rows) return;  // one-row sequences are the decode kernel's in a mixed call
-  const int nrows = qlen * p.gqa;
-  const int R0 = tile * ROWS;
-  if (R0 >= nrows) return;
-  const int R1 = min(R0 + ROWS, nrows) - 1;
-  const int L = p.seq_lens[seq];
-  const int base = L - qlen;  // position of the sequence's first new token (bottom-right aligned)
-  const int pos_first = base + R0 / p.gqa, pos_last = base + R1 / p.gqa;
-  // keys some row of the CTA sees, and keys every row sees (a step inside those needs no mask)
-  const int kv_lo = p.window > 0 ? max(0, pos_first - p.window + 1) : 0;
-  const int kv_hi = min(L, p.causal ? pos_last + 1 : L);
-  const int full_lo = p.window > 0 ? max(0, pos_last - p.window + 1) : 0;
-  const int full_hi = p.causal ? pos_first + 1 : L;
+  PrefillTile tl;
+  if (!prefill_tile(p, ROWS, tl)) return;
+  const int seq = tl.seq, kvh = tl.kvh, q0 = tl.q0, R0 = tl.R0, R1 = tl.R1, L = tl.L, base = tl.base;
+  const int kv_lo = tl.kv_lo, kv_hi = tl.kv_hi, full_lo = tl.full_lo, full_hi = tl.full_hi;
 
   const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
   const int64_t k_head = (int64_t)kvh * p.k_head_stride, v_head = (int64_t)kvh * p.v_head_stride;
@@ -127,58 +208,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) prefill_kernel(const Prefi
     }
   };
 
-  // ---- Q tile: row r -> (token (R0 + r) / gqa, head kvh * gqa + (R0 + r) % gqa); rows past R1 zero ----
-  auto q_row = [&](int r) -> const uint8_t* {
-    const int R = R0 + r;
-    return reinterpret_cast<const uint8_t*>(p.query) +
-           ((int64_t)(q0 + R / p.gqa) * p.q_stride0 + (int64_t)(kvh * p.gqa + R % p.gqa) * p.q_stride1) * 2;
-  };
-  float qmul = 1.f;  // power of two folded into the logit scale
-  if (kFp8 && p.q_is_bf16) {
-    // bf16 -> fp16 exactly: scale the tile's largest magnitude into [2^14, 2^15) (decode.cuh's rule)
-    __shared__ float red[4];
-    float amax = 0.f;
-    for (int c = tid; c < ROWS * (D / 8); c += kPrefillThreads) {
-      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-      if (R0 + r > R1) continue;
-      const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + col * 2);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xffff0000u))));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) red[warp] = amax;
-    __syncthreads();
-    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-    float up = 1.f;
-    if (amax > 0.f && isfinite(amax)) {
-      int e;
-      frexpf(amax, &e);
-      qmul = exp2f((float)(e - 15));
-      up = exp2f((float)(15 - e));
-    }
-    for (int c = tid; c < ROWS * (D / 8); c += kPrefillThreads) {
-      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-      uint4 h = make_uint4(0u, 0u, 0u, 0u);
-      if (R0 + r <= R1) {
-        const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + col * 2);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        uint32_t o[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
-        h = make_uint4(o[0], o[1], o[2], o[3]);
-      }
-      *reinterpret_cast<uint4*>(sQ + r * ST + col) = h;
-    }
-  } else {
-    for (int c = tid; c < ROWS * (D / 8); c += kPrefillThreads) {
-      const int r = c / (D / 8), col = (c % (D / 8)) * 8;
-      const bool ok = R0 + r <= R1;
-      cp_async16(sQ + r * ST + col, ok ? q_row(r) + col * 2 : static_cast<const uint8_t*>(p.query), ok);
-    }
-  }
+  // ---- Q tile (a power of two folded into the logit scale for a bf16 query over an FP8 cache) ----
+  const float qmul = stage_query<kFp8, D, ROWS, kPrefillThreads>(
+      p, tl, sQ, tid, [](int r, int ch) { return r * ST + ch * 8; }, [] { __syncthreads(); });
 
   const int j_begin = kv_lo & ~(N - 1);
   if (j_begin < kv_hi) {

@@ -1,17 +1,18 @@
-// Multi-token paged attention on Hopper (sm_90a): the contract and the row mapping of prefill.cuh,
-// with the two products on warpgroup MMAs (wgmma.mma_async, wgmma.cuh) instead of mma.sync.
+// Multi-token paged attention on Hopper (sm_90a), opt-in (launch.py PREFILL_KERNEL, the tuning entry's
+// prefill.wgmma_head_sizes): the contract and the row mapping of prefill.cuh, with the two products on
+// warpgroup MMAs (wgmma.cuh) fed by a producer warpgroup.
 //
-// One CTA of two warpgroups (256 threads) per (sequence, 128 query rows, KV head); warpgroup w owns
-// rows 64w .. 64w+63, warp v of the CTA rows 16v .. 16v+15 exactly as in prefill.cuh with one m16
-// tile a warp, so the softmax and the output code are the same.
-// * Operand tiles in shared memory in the core-matrix layout of wgmma.cuh: Q (128 x D), and two
-//   buffers each of K and V (kN x D): the next step's tile is gathered (cp.async through the block
-//   table; FP8 through a byte staging tile, widened by all 256 threads with the hardware cvt) while
-//   this step's products run.
-// * S = Q K^T: A and B from shared memory (K-major). O += P V: P from registers (the S accumulators
-//   repacked to 16 bits, the m64k16 A fragment is the mma.sync one), V MN-major from shared memory.
-// * Precision as in prefill.cuh: Q never below its 16 bits (a bf16 query over an FP8 cache scaled by a
-//   power of two into fp16), P in the MMA's 16-bit type, fp32 accumulation, never FP8.
+// One CTA of three warpgroups (384 threads) per (sequence, 128 query rows, KV head):
+// * warpgroup 0, the producer (56 registers after setmaxnreg): Q into shared memory (a bf16 query over
+//   an FP8 cache scaled into fp16 by a power of two), then every K/V tile through the block table with
+//   cp.async, a token row a thread, kBufs - 1 (16-bit caches, straight into the operand buffers) or
+//   kStages - 1 (FP8, into byte staging tiles it widens with the hardware cvt) tiles ahead;
+// * warpgroups 1 and 2, the consumers (224 registers): 64 rows each, warp v rows 16v .. 16v+15 as in
+//   prefill.cuh with one m16 tile a warp; S = Q K^T with both operands in shared memory (K-major),
+//   online softmax in fp32, O += P V with P from registers (the S accumulators repacked to 16 bits: the
+//   m64k16 A fragment is the mma.sync one) and V MN-major; they run free of each other.
+// Producer and consumers meet at named barriers, a "full" and an "empty" one per operand buffer.
+// Precision as in prefill.cuh: Q never below its 16 bits, P in the MMA's 16-bit type, never FP8.
 #pragma once
 #include "prefill.cuh"
 #include "wgmma.cuh"
@@ -73,7 +74,7 @@ template <Kind K, int D, bool kPlain>
 __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const PrefillParams p) {
 #ifdef HAL_WGMMA
   using SH = WgShape<K, D>;
-  constexpr int NB = SH::kBufs, NT = SH::kStages;
+  constexpr int NB = SH::kBufs, NT = SH::kStages > 0 ? SH::kStages : 1;  // NT: 1 unused stage for 16-bit
   constexpr int ROWS = SH::kRows, N = SH::kN, DC = D / 64, KB = D / 16, CH = D / 8;
   constexpr bool kFp8 = Traits<K>::kFp8;
   constexpr bool kBf = Traits<K>::kBf16Math;
@@ -82,32 +83,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr uint32_t kRowGroup = CH * 128;  // bytes between 8-row groups of a tile
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(16) uint8_t smem[];  // wgmma's no-swizzle operands need 16 bytes
   uint16_t* sQ = reinterpret_cast<uint16_t*>(smem);
   uint16_t* sK = sQ + ROWS * D;      // NB buffers of N x D
   uint16_t* sV = sK + NB * N * D;
   uint8_t* stg = reinterpret_cast<uint8_t*>(sV + NB * N * D);  // FP8: NT stages of K and V staging rows
-  float* s_qmul = reinterpret_cast<float*>(stg + 2 * NT * N * SH::kStage);
+  float* s_qmul = reinterpret_cast<float*>(stg + 2 * SH::kStages * N * SH::kStage);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg = warp / 4;
-  const int seq = blockIdx.x / p.row_tiles;
-  const int tile = p.row_tiles - 1 - blockIdx.x % p.row_tiles;  // the longest rows (last tokens) first
-  const int kvh = blockIdx.y;
-  const int q0 = p.query_start_loc[seq];
-  const int qlen = p.query_start_loc[seq + 1] - q0;
-  if (qlen < p.min_rows) return;
-  const int nrows = qlen * p.gqa;
-  const int R0 = tile * ROWS;
-  if (R0 >= nrows) return;
-  const int R1 = min(R0 + ROWS, nrows) - 1;
-  const int L = p.seq_lens[seq];
-  const int base = L - qlen;
-  const int pos_first = base + R0 / p.gqa, pos_last = base + R1 / p.gqa;
-  const int kv_lo = p.window > 0 ? max(0, pos_first - p.window + 1) : 0;
-  const int kv_hi = min(L, p.causal ? pos_last + 1 : L);
-  const int full_lo = p.window > 0 ? max(0, pos_last - p.window + 1) : 0;
-  const int full_hi = p.causal ? pos_first + 1 : L;
+  PrefillTile tl;
+  if (!prefill_tile(p, ROWS, tl)) return;
+  const int seq = tl.seq, kvh = tl.kvh, q0 = tl.q0, R0 = tl.R0, R1 = tl.R1, L = tl.L, base = tl.base;
+  const int kv_lo = tl.kv_lo, kv_hi = tl.kv_hi, full_lo = tl.full_lo, full_hi = tl.full_hi;
   const int j_begin = kv_lo & ~(N - 1);
   const int steps = kv_hi > j_begin ? (kv_hi - j_begin + N - 1) / N : 0;
 
@@ -163,59 +151,9 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
             make_uint4(fp8x2_to_f16x2<K>(vb.x), fp8x2_to_f16x2<K>(vb.x >> 16), fp8x2_to_f16x2<K>(vb.y), fp8x2_to_f16x2<K>(vb.y >> 16));
       }
     };
-    // Q tile: row r -> (token (R0 + r) / gqa, head kvh * gqa + (R0 + r) % gqa); rows past R1 zero
-    auto q_row = [&](int r) -> const uint8_t* {
-      const int R = R0 + r;
-      return reinterpret_cast<const uint8_t*>(p.query) +
-             ((int64_t)(q0 + R / p.gqa) * p.q_stride0 + (int64_t)(kvh * p.gqa + R % p.gqa) * p.q_stride1) * 2;
-    };
-    if (kFp8 && p.q_is_bf16) {
-      // bf16 -> fp16 exactly: the tile's largest magnitude scaled into [2^14, 2^15) (decode.cuh's rule)
-      __shared__ float red[4];
-      float amax = 0.f;
-      for (int c = tid; c < ROWS * CH; c += kP) {
-        const int r = c / CH, col = (c % CH) * 8;
-        if (R0 + r > R1) continue;
-        const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + col * 2);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w[i] << 16)), fabsf(__uint_as_float(w[i] & 0xffff0000u))));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      if (lane == 0) red[warp] = amax;
-      bar_sync(kBarProducer, kP);
-      amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
-      float up = 1.f, qmul = 1.f;
-      if (amax > 0.f && isfinite(amax)) {
-        int e;
-        frexpf(amax, &e);
-        qmul = exp2f((float)(e - 15));
-        up = exp2f((float)(15 - e));
-      }
-      if (tid == 0) *s_qmul = qmul;
-      for (int c = tid; c < ROWS * CH; c += kP) {
-        const int r = c / CH, ch = c % CH;
-        uint4 h = make_uint4(0u, 0u, 0u, 0u);
-        if (R0 + r <= R1) {
-          const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
-          const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-          uint32_t o[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
-          h = make_uint4(o[0], o[1], o[2], o[3]);
-        }
-        *reinterpret_cast<uint4*>(sQ + cm_offset(r, ch, D)) = h;
-      }
-    } else {
-      if (tid == 0) *s_qmul = 1.f;
-      for (int c = tid; c < ROWS * CH; c += kP) {
-        const int r = c / CH, ch = c % CH;
-        const bool ok = R0 + r <= R1;
-        cp_async16(sQ + cm_offset(r, ch, D), ok ? q_row(r) + ch * 16 : static_cast<const uint8_t*>(p.query), ok);
-      }
-    }
+    const float qmul = stage_query<kFp8, D, ROWS, kP>(
+        p, tl, sQ, tid, [](int r, int ch) { return cm_offset(r, ch, D); }, [] { bar_sync(kBarProducer, kP); });
+    if (tid == 0) *s_qmul = qmul;
     // tile i's buffer is refilled only after the consumers arrive on its "empty" barrier (they do for
     // tile k when k + NB < steps: exactly the tiles the producer waits for)
     if constexpr (kFp8) {
