@@ -1,6 +1,8 @@
-"""The cuda pack's multi-token paged attention (packs/cuda/csrc/prefill.cuh) and its mixed batches (the
-one-row sequences of the same call through the decode kernel and its split-K), on an NVIDIA sm89+ GPU
-(marker ``cuda``); the declaration and dispatch on any machine.
+"""The cuda pack's multi-token paged attention and its mixed batches (the one-row sequences of the same
+call through the decode kernel and its split-K), on an NVIDIA sm89+ GPU (marker ``cuda``); the
+declaration on any machine. The grid runs the kernel the tuning entry picks (csrc/prefill.cuh, mma.sync,
+today everywhere); ``test_opt_in_wgmma_kernel`` runs csrc/prefill_sm90.cuh (launch.PREFILL_KERNEL =
+"wgmma") on the same checks.
 
 Data as everywhere (cases.make_varlen): fresh random values, every cache slot no row reads poisoned with
 NaN / inf bytes, outputs poisoned with NaN, block-table entries past a sequence's blocks junk.
