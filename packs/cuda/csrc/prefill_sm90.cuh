@@ -105,7 +105,6 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
     const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
     const int64_t k_head = (int64_t)kvh * p.k_head_stride, v_head = (int64_t)kvh * p.v_head_stride;
     constexpr int kPieces = D * kBpe / 16;  // 16-byte pieces a cache row
-    // 16-byte pieces, the 8 rows of a core matrix on 8 neighbouring threads
     // Each producer thread owns one token row of a tile (r: 8 neighbouring threads hold the 8 rows of a
     // core matrix) and every other 16-byte piece of it (half = 0 or 1): one block-table read a tile for
     // K and V together, and the pieces' addresses are compile-time offsets from the row's.
