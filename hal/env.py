@@ -15,7 +15,10 @@ VARIABLES = {
     "HAL_STRICT": "1: a fallback from the target's native pack to emu, or an FP8 cache without scales, is an error",
     "HAL_DEBUG": "1: checks that need a device sync (block-table entries, slots, scale values on GPU)",
     "HAL_CUDA_ARCHS": "build time (pip install): the cuda pack's archs: all, none, auto or a CMake list (docs/cuda.md)",
+    "HAL_CUDA_PREFILL": "the cuda pack's multi-token kernel: auto (the tuning table), mma (mma.sync, every arch) or "
+                        "wgmma (sm_90a, where it runs) (docs/cuda.md)",
 }
+CUDA_PREFILL_KERNELS = ("auto", "mma", "wgmma")
 BOOL_VARIABLES = ("HAL_STRICT", "HAL_DEBUG")
 _BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,
          "off": False, "on": True}
@@ -51,6 +54,14 @@ def forced_pack() -> str | None:
     return raw or None  # the name itself is checked against the registry by dispatch
 
 
+def cuda_prefill_kernel() -> str:
+    raw = os.environ.get("HAL_CUDA_PREFILL", "").strip().lower() or "auto"
+    if raw not in CUDA_PREFILL_KERNELS:
+        raise EnvValueError(f"HAL_CUDA_PREFILL={raw!r} is not understood: expected one of "
+                            f"{', '.join(CUDA_PREFILL_KERNELS)}")
+    return raw
+
+
 def target_override() -> str | None:
     raw = os.environ.get("HAL_TARGET", "").strip()
     return raw or None
@@ -76,6 +87,7 @@ def check() -> None:
     check_unknown()
     for name in BOOL_VARIABLES:
         flag(name)
+    cuda_prefill_kernel()
     override = target_override()
     if override:
         from hal.targets import parse

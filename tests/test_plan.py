@@ -482,6 +482,35 @@ def test_cuda_multi_token_plan_launches_equal_the_one_shot_launches(monkeypatch,
     assert dec1[11] != 0 and dec1[-2] == case.query_start_loc.data_ptr()  # the long context is split
 
 
+def test_cuda_multi_token_kernel_choice(monkeypatch):
+    """The prefill launch's last argument asks for the sm_90a kernel: from launch.PREFILL_KERNEL (tests,
+    bench), else HAL_CUDA_PREFILL, else the tuning entry's prefill.wgmma_head_sizes (sm_90: none yet)."""
+    launch, seen = _launch_under_test(monkeypatch)
+    case = make_varlen([40, 9], [40, 9], num_heads=8, num_kv_heads=2, head_size=128, garbage=False)
+    record = hal.ops.prepare("paged_attention", query=case.query, key_cache=case.key_cache,
+                             value_cache=case.value_cache, k_scale=case.k_scale, v_scale=case.v_scale,
+                             block_tables=case.block_tables, seq_lens=case.seq_lens,
+                             query_start_loc=case.query_start_loc, max_query_len=40)
+
+    def asked(env=None, attr="auto"):
+        if env is None:
+            monkeypatch.delenv("HAL_CUDA_PREFILL", raising=False)
+        else:
+            monkeypatch.setenv("HAL_CUDA_PREFILL", env)
+        monkeypatch.setattr(launch, "PREFILL_KERNEL", attr)
+        seen.clear()
+        launch.paged_attention(record)
+        return [a[-2] for name, a in seen if name == "prefill"]
+
+    assert asked() == [0]                       # sm_90's tuning entry lists no head size yet
+    assert asked("wgmma") == [1] and asked("mma") == [0] and asked("auto") == [0]
+    assert asked("wgmma", attr="mma") == [0] and asked(None, attr="wgmma") == [1]
+    real = launch.tuning_for
+    monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
+                        {**real(arch), "prefill": {"wgmma_head_sizes": [128]}})
+    assert asked() == [1] and asked("mma") == [0]
+
+
 def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     launch, seen = _launch_under_test(monkeypatch)
     case = make_mla([600, 70, 3], [2, 1, 1], r=512, p=64, heads=16, combined=True,

@@ -118,6 +118,12 @@ def test_unknown_env_values_raise(case, monkeypatch):
     with pytest.raises(ValueError, match=r"HAL_TARGET='tpu_v5' is not understood"):
         call(case)
     monkeypatch.delenv("HAL_TARGET")
+    monkeypatch.setenv("HAL_CUDA_PREFILL", "fast")
+    with pytest.raises(ValueError, match=r"HAL_CUDA_PREFILL='fast' is not understood: expected one of auto, mma, wgmma"):
+        hal.env.check()
+    monkeypatch.setenv("HAL_CUDA_PREFILL", " WGMMA ")
+    assert hal.env.cuda_prefill_kernel() == "wgmma"
+    monkeypatch.delenv("HAL_CUDA_PREFILL")
     monkeypatch.setenv("HAL_PACK", "fastest")
     with pytest.raises(ValueError, match=r"no pack named 'fastest': known packs are .*emu"):
         call(case)

@@ -4,7 +4,9 @@
 # `.whl` (FlashInfer's trimmed copy and tvm-ffi from ../shared/tools/flashinfer/prep_flashinfer_carry.sh,
 # the fa3-fwd 0.0.3 wheel) and the module (built here for Python 3.12 and xz'd to build/C312.so.xz, or
 # packs/cuda/_C*.so) carried along.
-#   STEPS="tests bench" (default), also "slow" (128K prefill, 4 GiB cache), "sanitizer", "profile" (ncu)
+#   STEPS="tests bench" (default), also "slow" (128K prefill, 4 GiB cache), "wgmma-grid" (the whole grid
+#   with HAL_CUDA_PREFILL=wgmma), "tune" (tools/tune --prefill; TUNE_WRITE=1 writes and returns
+#   tuning.json), "sanitizer", "profile" (ncu)
 #   BENCH="prefill prefill-extra", BUDGET=1 (seconds a row)
 set -o pipefail
 OUT=${OUT:-results}
@@ -24,6 +26,12 @@ for step in $STEPS; do
              -m "cuda and not slow" 2>&1 | tail -30 | tee "$OUT/pytest.log" ;;
     slow) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_prefill.py -m "cuda and slow" 2>&1 \
              | tail -15 | tee "$OUT/pytest_slow.log" ;;
+    wgmma-grid)  # the whole multi-token grid (slow tests too) on the sm_90a kernel: what turning it on needs
+      HAL_CUDA_PREFILL=wgmma timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_cuda_prefill.py \
+        -m cuda 2>&1 | tail -15 | tee "$OUT/pytest_wgmma.log" ;;
+    tune) timeout 400 python3 tools/tune --prefill --json "$OUT/tune-prefill.json" ${TUNE_WRITE:+--write} 2>&1 \
+            | tail -30 | tee "$OUT/tune-prefill.txt"
+          [ -n "${TUNE_WRITE:-}" ] && cp packs/cuda/tuning.json "$OUT/" ;;
     sanitizer)  # both kernels, a mixed batch (prefill + decode + split-K merge) over an e4m3 cache
       for tool in memcheck racecheck; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \

@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from hal import env
+
 from . import _C
 from .tuning import mla_split, shape_class, split, tuning_for, warp_rows
 
@@ -20,16 +22,18 @@ INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # read by two CTAs (the second read mostly hits L2). H200, 2026-11-29, GQA 16 and 20: FP8 1.2-1.6x
 # faster with 8; bf16 1.0-1.15x faster with 16 (docs/cuda.md).
 HEAD_TILE = {1: 8, 2: 16}  # by cache element size
-# Multi-token kernel: "auto" (the tuning entry's "prefill" "wgmma_head_sizes" take the wgmma kernel,
-# the rest the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch) or "wgmma"
-# (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a producer warpgroup: where it can run, an sm_90 GPU
-# with sm_90a code in the module and head sizes 64/128/192; elsewhere the mma.sync kernel runs).
+# Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "wgmma_head_sizes"
+# take the wgmma kernel and the rest the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch)
+# or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a producer warpgroup: where it can run, an
+# sm_90 GPU with sm_90a code in the module and head sizes 64/128/192; elsewhere the mma.sync kernel).
+# The tests and the bench set this; users set HAL_CUDA_PREFILL.
 PREFILL_KERNEL = "auto"
 
 
 def _prefill_wgmma(head_size: int, device: torch.device) -> bool:
-    if PREFILL_KERNEL != "auto":
-        return PREFILL_KERNEL == "wgmma"
+    kernel = PREFILL_KERNEL if PREFILL_KERNEL != "auto" else env.cuda_prefill_kernel()
+    if kernel != "auto":
+        return kernel == "wgmma"
     _, arch = _device_facts(_device_index(device))
     return head_size in tuning_for(arch).get("prefill", {}).get("wgmma_head_sizes", ())
 
