@@ -77,6 +77,7 @@ def test_compiled_module_reports_no_gpu():
     count, err, msg = _C.device_count()
     assert count == 0 and err != 0 and msg
     assert list(_C.head_sizes()) == list(_support().head_sizes)
+    assert _C.prefill_wgmma() is False   # no sm_90 GPU: the multi-token calls would take mma.sync
 
 
 def test_launcher_names_an_inconsistent_warp_rows_request():

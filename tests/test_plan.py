@@ -511,6 +511,23 @@ def test_cuda_multi_token_kernel_choice(monkeypatch):
     assert asked() == [1] and asked("mma") == [0]
 
 
+def test_cuda_multi_token_call_copies_a_query_whose_rows_are_off_16_bytes(monkeypatch):
+    """A contiguous query view starting 2 bytes into its storage: the prefill kernel's 16-byte loads get an
+    aligned copy (``.contiguous()`` would return the same view)."""
+    launch, seen = _launch_under_test(monkeypatch)
+    case = make_varlen([40, 9, 1], [40, 9, 1], num_heads=8, num_kv_heads=2, head_size=64, garbage=False)
+    flat = torch.empty(case.query.numel() + 1, dtype=case.query.dtype)
+    q = flat[1:].view(case.query.shape).copy_(case.query)
+    assert q.is_contiguous() and q.data_ptr() % 16
+    record = hal.ops.prepare("paged_attention", query=q, key_cache=case.key_cache, value_cache=case.value_cache,
+                             k_scale=case.k_scale, v_scale=case.v_scale, block_tables=case.block_tables,
+                             seq_lens=case.seq_lens, query_start_loc=case.query_start_loc, max_query_len=40)
+    launch.paged_attention(record)
+    ptrs = {name: a[3] for name, a in seen}
+    assert set(ptrs) == {"prefill", "paged_attention"} and ptrs["prefill"] == ptrs["paged_attention"]
+    assert ptrs["prefill"] % 16 == 0 and ptrs["prefill"] != q.data_ptr()
+
+
 def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     launch, seen = _launch_under_test(monkeypatch)
     case = make_mla([600, 70, 3], [2, 1, 1], r=512, p=64, heads=16, combined=True,

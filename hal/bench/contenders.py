@@ -245,17 +245,18 @@ def _hal_split(p: Problem, opts: dict) -> Prepared:
     if k == 0 or k == len(qlens) or any(q == 1 for q in qlens[k:]):
         raise Skip("not a mixed batch with its one-row sequences first")
     out = torch.empty_like(p.query)
-    common = dict(scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale, max_seq_len=p.max_seq_len)
+    common = dict(scale=p.scale, k_scale=p.k_scale, v_scale=p.v_scale)
     dec = (p.query[:k], p.key_cache, p.value_cache, p.block_tables[:k], p.seq_lens[:k])
     pre = (p.query[k:], p.key_cache, p.value_cache, p.block_tables[k:], p.seq_lens[k:])
+    # each call with its own host bounds, as an engine issuing two calls would pass them
+    dec_kw = dict(max_seq_len=max(p.lens[:k]))
     pre_kw = dict(query_start_loc=(p.query_start_loc[k:] - k).contiguous(), max_query_len=p.max_query_len,
-                  causal=True, out=out[k:])
-    names = {hal.explain(*dec, **common).pack.NAME, hal.explain(*pre, **common, **{
-        n: v for n, v in pre_kw.items() if n != "out"}).pack.NAME}
+                  max_seq_len=max(p.lens[k:]), causal=True)
+    names = {hal.explain(*dec, **common, **dec_kw).pack.NAME, hal.explain(*pre, **common, **pre_kw).pack.NAME}
 
     def run():
-        hal.paged_attention(*dec, **common, out=out[:k])
-        hal.paged_attention(*pre, **common, **pre_kw)
+        hal.paged_attention(*dec, **common, **dec_kw, out=out[:k])
+        hal.paged_attention(*pre, **common, **pre_kw, out=out[k:])
 
     return Prepared(run, out, f"2 calls ({k} decode rows, then the rest), dispatched to {'/'.join(sorted(names))}")
 
@@ -269,11 +270,11 @@ def _hal_cuda_wgmma(p: Problem, opts: dict) -> Prepared:
     inner = prepared.run
 
     def run():
-        launch.PREFILL_KERNEL = "wgmma"
+        saved, launch.PREFILL_KERNEL = launch.PREFILL_KERNEL, "wgmma"
         try:
             inner()
         finally:
-            launch.PREFILL_KERNEL = "auto"
+            launch.PREFILL_KERNEL = saved
 
     return Prepared(run, prepared.out, "csrc/prefill_sm90.cuh (wgmma) where it runs")
 

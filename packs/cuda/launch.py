@@ -196,7 +196,9 @@ def paged_attention(call) -> None:
     batch (the prefill kernel's query/output rows copied to 16-byte aligned ones where they are not)."""
     query, out = call.query, call.out
     if _multi_token(call):
-        query = query if _aligned_rows(query) else query.contiguous()
+        # a fresh allocation: .contiguous() keeps a contiguous view whose data pointer is off 16 bytes
+        query = query if _aligned_rows(query) else torch.empty(query.shape, dtype=query.dtype,
+                                                               device=query.device).copy_(query)
         out = out if _aligned_rows(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     launches, _workspace = _attention_launches(call, out, query)  # the workspace lives until queued
     guard, stream = _on(query.device)

@@ -94,6 +94,10 @@ def run(args, console, argv_text: str) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     arch = launch._device_facts(device.index)[1]
+    if not launch._C.prefill_wgmma():
+        console.print(f"[red]tools/tune --prefill: the wgmma kernel cannot run here ({arch}; it needs an sm_90 GPU and "
+                      f"a module built with sm_90a code): nothing to choose[/red]")
+        return 2
     timer = Timer(device)
     times: dict[int, dict[str, dict[str, float]]] = {}
     table = Table(title=f"multi-token kernels on {torch.cuda.get_device_name(device)} ({arch}), median µs")

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <stdexcept>
 #include <string>
+#include "arch.h"
 #include "launch.h"
 
 namespace py = pybind11;
@@ -33,6 +34,8 @@ PYBIND11_MODULE(_C, m) {
     int err = (int)cudaGetDeviceCount(&count);
     return py::make_tuple(count, err, std::string(cudaGetErrorString((cudaError_t)err)));
   });
+  // whether a multi-token call on the current device would take the sm_90a kernel when asked for
+  m.def("prefill_wgmma", [] { return prefill_uses_wgmma(); });
   m.def("head_sizes", [] {
     py::list l;
 #define HAL_ITEM(D) l.append(D);

@@ -14,6 +14,7 @@
 // Producer and consumers meet at named barriers, a "full" and an "empty" one per operand buffer.
 // Precision as in prefill.cuh: Q never below its 16 bits, P in the MMA's 16-bit type, never FP8.
 #pragma once
+#include "arch.h"
 #include "prefill.cuh"
 #include "wgmma.cuh"
 
@@ -36,25 +37,6 @@ template <Kind K, int D> struct WgShape {
 // D with a wgmma kernel: multiples of 64 (the products are issued as 64-column pieces) whose pipeline
 // fits in shared memory at depth 3 (256: the mma.sync kernel)
 __host__ __device__ constexpr bool wg_head_size(int d) { return d == 64 || d == 128 || d == 192; }
-
-// Whether the current device runs the sm_90a kernel: an sm_90 GPU, and sm_90a code in this module
-// (HAL_CUDA_SM90A: CMake saw 90a among the archs; other sm_90 builds hold an empty body that traps).
-inline bool prefill_uses_wgmma() {
-#ifdef HAL_CUDA_SM90A
-  static int cc[64] = {};  // per device: 0 not asked yet, else major * 10 + minor
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cc[dev] == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-    cc[dev] = major * 10 + minor;
-  }
-  return cc[dev] == 90;
-#else
-  return false;
-#endif
-}
 
 template <Kind K, int D> constexpr int wg_smem_bytes() {
   using S = WgShape<K, D>;
