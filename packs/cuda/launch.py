@@ -167,8 +167,14 @@ def _attention_launches(call, out, query) -> tuple[list, tuple]:
 
 
 def _aligned_rows(t: torch.Tensor) -> bool:
-    """The prefill kernel's 16-byte row loads and its output stores need 16-byte aligned rows."""
+    """The prefill and MLA kernels' 16-byte row loads and stores need 16-byte aligned rows (unit last stride)."""
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+
+
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where its rows are not 16-byte aligned a fresh copy whose rows are (``.contiguous()``
+    would return a contiguous view whose data pointer is off 16 bytes as it is)."""
+    return t if _aligned_rows(t) else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _cache_kv_args(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> list:
@@ -196,9 +202,7 @@ def paged_attention(call) -> None:
     batch (the prefill kernel's query/output rows copied to 16-byte aligned ones where they are not)."""
     query, out = call.query, call.out
     if _multi_token(call):
-        # a fresh allocation: .contiguous() keeps a contiguous view whose data pointer is off 16 bytes
-        query = query if _aligned_rows(query) else torch.empty(query.shape, dtype=query.dtype,
-                                                               device=query.device).copy_(query)
+        query = _rows16(query)
         out = out if _aligned_rows(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
     launches, _workspace = _attention_launches(call, out, query)  # the workspace lives until queued
     guard, stream = _on(query.device)
@@ -212,14 +216,6 @@ def paged_attention(call) -> None:
 def cache_kv(call) -> None:
     """Run a validated :class:`hal.call.CacheWriteCall`."""
     _cache_kv(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale, call.v_scale)
-
-
-def _rows16(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (unit last stride) with 16-byte aligned rows for the MLA kernel's vector loads; a copy
-    only for an unusual view."""
-    if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-        return t.contiguous()
-    return t
 
 
 def _cache_strides(c: torch.Tensor, name: str) -> tuple[int, int]:
@@ -274,7 +270,7 @@ def _mla_decode_args(call, q_nope, q_pe, out):
 def mla_decode(call) -> None:
     """Run a validated :class:`hal.call.MLACall` (R = 512, P = 64: the pack's declaration)."""
     qn, qp = _rows16(call.q_nope), _rows16(call.q_pe)
-    out = call.out if _rows16(call.out) is call.out else torch.empty_like(call.q_nope)
+    out = call.out if _aligned_rows(call.out) else torch.empty_like(call.q_nope)
     built = _mla_decode_args(call, qn, qp, out)
     if built is None:
         return
@@ -382,7 +378,7 @@ def _prepare_cache_kv(call):
 def _prepare_mla_decode(call):
     """As :func:`_prepare_paged_attention`; a plan whose query or output rows are not 16-byte aligned
     (copied by the one-shot call) takes the default runner instead (None)."""
-    if any(_rows16(t) is not t for t in (call.q_nope, call.q_pe, call.out)):
+    if not all(_aligned_rows(t) for t in (call.q_nope, call.q_pe, call.out)):
         return None
     built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out)
     if built is None:
