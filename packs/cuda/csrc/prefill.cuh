@@ -90,8 +90,8 @@ __device__ __forceinline__ bool prefill_tile(const PrefillParams& p, int rows, P
 // The CTA's kRows query rows into shared memory, row r's 8-column chunk ch at element off(r, ch); rows
 // past R1 zero. kThreads threads (tid < kThreads, whole warps) take part; sync() joins them. A bf16 query
 // over an FP8 cache is scaled exactly into fp16 by a power of two (the tile's largest magnitude into
-// [2^14, 2^15), decode.cuh's rule) and the factor to fold into the logit scale returned; otherwise the
-// rows are copied by cp.async (the caller waits) and 1 returned.
+// [2^14, 2^15), decode.cuh's rule) in place once its copies landed, and the factor to fold into the
+// logit scale returned; otherwise the rows' copies are left in flight (the caller waits) and 1 returned.
 template <bool kFp8, int D, int kRows, int kThreads, class Off, class Sync>
 __device__ __forceinline__ float stage_query(const PrefillParams& p, const PrefillTile& t, uint16_t* sQ, int tid,
                                              Off off, Sync sync) {
@@ -101,20 +101,24 @@ __device__ __forceinline__ float stage_query(const PrefillParams& p, const Prefi
     return reinterpret_cast<const uint8_t*>(p.query) +
            ((int64_t)(t.q0 + R / p.gqa) * p.q_stride0 + (int64_t)(t.kvh * p.gqa + R % p.gqa) * p.q_stride1) * 2;
   };
-  if (!(kFp8 && p.q_is_bf16)) {
-    for (int c = tid; c < kRows * CH; c += kThreads) {
-      const int r = c / CH, ch = c % CH;
-      const bool ok = t.R0 + r <= t.R1;
-      cp_async16(sQ + off(r, ch), ok ? q_row(r) + ch * 16 : static_cast<const uint8_t*>(p.query), ok);
-    }
-    return 1.f;
+  // every row by cp.async first: all of the tile's loads in flight at once (a load-then-use loop per
+  // thread would pay one memory latency per chunk), rows past R1 zero-filled
+  for (int c = tid; c < kRows * CH; c += kThreads) {
+    const int r = c / CH, ch = c % CH;
+    const bool ok = t.R0 + r <= t.R1;
+    cp_async16(sQ + off(r, ch), ok ? q_row(r) + ch * 16 : static_cast<const uint8_t*>(p.query), ok);
   }
+  if (!(kFp8 && p.q_is_bf16)) return 1.f;
+  // a bf16 query over an FP8 cache: the tile's largest magnitude, then the rows rescaled in place (each
+  // thread converts the chunks it copied)
+  cp_async_commit();
+  cp_async_wait_all();
+  sync();
   __shared__ float red[kThreads / 32];
   float amax = 0.f;
   for (int c = tid; c < kRows * CH; c += kThreads) {
     const int r = c / CH, ch = c % CH;
-    if (t.R0 + r > t.R1) continue;
-    const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
+    const uint4 v = *reinterpret_cast<const uint4*>(sQ + off(r, ch));
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -136,16 +140,13 @@ __device__ __forceinline__ float stage_query(const PrefillParams& p, const Prefi
   }
   for (int c = tid; c < kRows * CH; c += kThreads) {
     const int r = c / CH, ch = c % CH;
-    uint4 h = make_uint4(0u, 0u, 0u, 0u);
-    if (t.R0 + r <= t.R1) {
-      const uint4 v = *reinterpret_cast<const uint4*>(q_row(r) + ch * 16);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      uint32_t o[4];
+    uint4* q = reinterpret_cast<uint4*>(sQ + off(r, ch));
+    const uint4 v = *q;
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
-      h = make_uint4(o[0], o[1], o[2], o[3]);
-    }
-    *reinterpret_cast<uint4*>(sQ + off(r, ch)) = h;
+    for (int i = 0; i < 4; ++i) o[i] = pack_f16x2(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+    *q = make_uint4(o[0], o[1], o[2], o[3]);
   }
   return qmul;
 }

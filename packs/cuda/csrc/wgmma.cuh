@@ -79,20 +79,28 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t a, uint64_t b)
 }
 
 // D(64 x 64, fp32) += A(64 x 16, registers: the mma.sync m16k16 fragment of each warp's 16 rows)
-//                     * B(16 x 64, shared, MN-major)
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_rs_t(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+//                     * B(16 x 64, shared; kTransB: MN-major, else K-major)
+template <bool kBf16, bool kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
 #ifdef HAL_WGMMA
   if constexpr (kBf16) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " HAL_WG_DSTR
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
-                 : HAL_WG_D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"
+                 : HAL_WG_D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB ? 1 : 0));
   } else {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " HAL_WG_DSTR
-                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}"
-                 : HAL_WG_D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}"
+                 : HAL_WG_D : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB ? 1 : 0));
   }
 #endif
+}
+
+// Keeps registers that an in-flight wgmma reads (its A operand) live, and unmoved, until this point.
+template <int N> __device__ __forceinline__ void wg_pin_regs(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 #undef HAL_WG_D
