@@ -1,8 +1,9 @@
 """The cuda pack's multi-token paged attention and its mixed batches (the one-row sequences of the same
 call through the decode kernel and its split-K), on an NVIDIA sm89+ GPU (marker ``cuda``); the
-declaration on any machine. The grid runs the kernel the tuning entry picks (csrc/prefill.cuh, mma.sync,
-today everywhere); ``test_opt_in_wgmma_kernel`` runs csrc/prefill_sm90.cuh (launch.PREFILL_KERNEL =
-"wgmma") on the same checks.
+declaration on any machine. The grid runs the kernel the tuning entry picks (on an H200: csrc/prefill_sm90.cuh,
+wgmma, for head sizes 128 and 192, csrc/prefill.cuh, mma.sync, for the rest; elsewhere mma.sync);
+``test_forced_wgmma_kernel`` forces csrc/prefill_sm90.cuh (launch.PREFILL_KERNEL = "wgmma") on the same
+checks, and HAL_CUDA_PREFILL=wgmma / mma runs the whole grid on one kernel (tools/gpu_prefill.sh).
 
 Data as everywhere (cases.make_varlen): fresh random values, every cache slot no row reads poisoned with
 NaN / inf bytes, outputs poisoned with NaN, block-table entries past a sequence's blocks junk.
@@ -167,7 +168,7 @@ def test_features_with_per_head_scales(feature, cache):
     _check(_varlen(*GEOMETRIES["mixed"], cache_dtype=cache, per_head_scales=True, seed=6, **FEATURES[feature]))
 
 
-WGMMA_CASES = {  # the opt-in sm_90a kernel: every geometry kind, features, windows, GQA 17, NHD views
+WGMMA_CASES = {  # the sm_90a kernel forced: every geometry kind, features, windows, GQA 17, NHD views
     "mixed": (GEOMETRIES["mixed"], {}),
     "prefill": (GEOMETRIES["prefill"], {}),
     "chunked-gqa17": (GEOMETRIES["chunked"], dict(num_heads=17, num_kv_heads=1)),
@@ -183,7 +184,7 @@ WGMMA_CASES = {  # the opt-in sm_90a kernel: every geometry kind, features, wind
 @pytest.mark.parametrize("case", sorted(WGMMA_CASES))
 @pytest.mark.parametrize("head_size", (64, 128, 192))
 @pytest.mark.parametrize("cache", CACHES, ids=str)
-def test_opt_in_wgmma_kernel(case, head_size, cache, monkeypatch):
+def test_forced_wgmma_kernel(case, head_size, cache, monkeypatch):
     """launch.PREFILL_KERNEL = "wgmma": csrc/prefill_sm90.cuh on an sm_90 GPU (elsewhere the mma.sync kernel
     runs and this checks that), against float64 and emu like the default kernel."""
     from hal.kernelpacks.cuda import launch
@@ -193,7 +194,7 @@ def test_opt_in_wgmma_kernel(case, head_size, cache, monkeypatch):
 
 
 @gpu
-def test_opt_in_wgmma_kernel_reads_nhd_views_bit_for_bit(monkeypatch):
+def test_forced_wgmma_kernel_reads_nhd_views_bit_for_bit(monkeypatch):
     from hal.kernelpacks.cuda import launch
     monkeypatch.setattr(launch, "PREFILL_KERNEL", "wgmma")
     case = _varlen(*GEOMETRIES["mixed"], num_kv_heads=4, num_heads=16, seed=21)

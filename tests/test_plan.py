@@ -484,7 +484,7 @@ def test_cuda_multi_token_plan_launches_equal_the_one_shot_launches(monkeypatch,
 
 def test_cuda_multi_token_kernel_choice(monkeypatch):
     """The prefill launch's last argument asks for the sm_90a kernel: from launch.PREFILL_KERNEL (tests,
-    bench), else HAL_CUDA_PREFILL, else the tuning entry's prefill.wgmma_head_sizes (sm_90: none yet)."""
+    bench), else HAL_CUDA_PREFILL, else the tuning entry's prefill.wgmma_head_sizes (sm_90: 128 and 192)."""
     launch, seen = _launch_under_test(monkeypatch)
     case = make_varlen([40, 9], [40, 9], num_heads=8, num_kv_heads=2, head_size=128, garbage=False)
     record = hal.ops.prepare("paged_attention", query=case.query, key_cache=case.key_cache,
@@ -502,13 +502,22 @@ def test_cuda_multi_token_kernel_choice(monkeypatch):
         launch.paged_attention(record)
         return [a[-2] for name, a in seen if name == "prefill"]
 
-    assert asked() == [0]                       # sm_90's tuning entry lists no head size yet
-    assert asked("wgmma") == [1] and asked("mma") == [0] and asked("auto") == [0]
-    assert asked("wgmma", attr="mma") == [0] and asked(None, attr="wgmma") == [1]
+    assert asked() == [1]                       # the shipped sm_90 entry lists head 128 (tools/tune --prefill)
+    assert asked("wgmma") == [1] and asked("mma") == [0] and asked("auto") == [1]
+    assert asked("wgmma", attr="mma") == [0] and asked(None, attr="wgmma") == [1] and asked("wgmma", attr="auto") == [1]
     real = launch.tuning_for
-    monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
-                        {**real(arch), "prefill": {"wgmma_head_sizes": [128]}})
-    assert asked() == [1] and asked("mma") == [0]
+    for listed, want in (([], [0]), ([64, 192], [0]), ([128], [1])):
+        monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None, listed=listed: real(arch, cls) if cls else
+                            {**real(arch), "prefill": {"wgmma_head_sizes": listed}})
+        assert asked() == want and asked("mma") == [0] and asked("wgmma") == [1]
+    # a grid mostly of CTAs with no rows (a mixed batch's one-row sequences): mma.sync unless forced
+    sparse = make_varlen([40, 9, 9, 9], [40, 1, 1, 1], num_heads=8, num_kv_heads=2, head_size=128, garbage=False)
+    record = hal.ops.prepare("paged_attention", query=sparse.query, key_cache=sparse.key_cache,
+                             value_cache=sparse.value_cache, k_scale=sparse.k_scale, v_scale=sparse.v_scale,
+                             block_tables=sparse.block_tables, seq_lens=sparse.seq_lens,
+                             query_start_loc=sparse.query_start_loc, max_query_len=40)
+    assert 43 < launch.WGMMA_MIN_FILL * 4 * 40
+    assert asked() == [0] and asked("wgmma") == [1] and asked(None, attr="wgmma") == [1]
 
 
 def test_cuda_multi_token_call_copies_a_query_whose_rows_are_off_16_bytes(monkeypatch):

@@ -35,7 +35,7 @@ for step in $STEPS; do
     sanitizer)  # both kernels, a mixed batch (prefill + decode + split-K merge) over an e4m3 cache
       for tool in memcheck racecheck; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
-          tests/test_cuda_prefill.py -k "test_geometries and mixed and e4m3 or opt_in_wgmma and mixed and 128 and e4m3" \
+          tests/test_cuda_prefill.py -k "test_geometries and mixed and e4m3 or forced_wgmma and mixed and 128 and e4m3" \
           2>&1 | tail -6 | tee "$OUT/sanitizer_$tool.log"
       done ;;
     profile)  # Nsight Compute on one 8x2048/32x8x128 prefill, each kernel, bf16 and e4m3fn caches

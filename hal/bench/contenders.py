@@ -262,7 +262,7 @@ def _hal_split(p: Problem, opts: dict) -> Prepared:
 
 
 def _hal_cuda_wgmma(p: Problem, opts: dict) -> Prepared:
-    """The cuda pack with its opt-in sm_90a multi-token kernel (csrc/prefill_sm90.cuh) asked for."""
+    """The cuda pack with its sm_90a multi-token kernel (csrc/prefill_sm90.cuh) forced."""
     if p.op != PREFILL:
         raise Skip("prefill problems only")
     from hal.kernelpacks.cuda import launch
@@ -298,7 +298,7 @@ def all_contenders() -> list[Contender]:
             out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention / hal.mla_decode(pack={p.NAME!r})",
                                  _hal(p.NAME), ops=EVERY_OP))
         if p.NAME == "cuda":
-            out.append(Contender("hal:cuda-wgmma", "hal", "hal.paged_attention(pack='cuda') with the opt-in sm_90a "
+            out.append(Contender("hal:cuda-wgmma", "hal", "hal.paged_attention(pack='cuda') with the sm_90a "
                                  "multi-token kernel (wgmma, producer warpgroup)", _hal_cuda_wgmma,
                                  ops=frozenset({PREFILL})))
     out += [

@@ -23,19 +23,27 @@ INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # faster with 8; bf16 1.0-1.15x faster with 16 (docs/cuda.md).
 HEAD_TILE = {1: 8, 2: 16}  # by cache element size
 # Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "wgmma_head_sizes"
-# take the wgmma kernel and the rest the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch)
+# take the wgmma kernel, for grids mostly of work, and the rest the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch)
 # or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a producer warpgroup: where it can run, an
 # sm_90 GPU with sm_90a code in the module and head sizes 64/128/192; elsewhere the mma.sync kernel).
 # The tests and the bench set this; users set HAL_CUDA_PREFILL.
 PREFILL_KERNEL = "auto"
+# "auto" takes the wgmma kernel only where at least this fraction of its grid has rows to compute: the
+# grid is num_seqs x max_query_len rows (no host read of query_start_loc), and a mixed batch's one-row
+# sequences leave most of it as CTAs that exit at once. The wgmma kernel holds a whole SM (~200 KiB of
+# shared memory), so those empty CTAs pass one an SM at a time. H200, 2026-12-04, 64x1@4096+2x1024
+# (3 % of the grid has rows): wgmma 432 / 311 us (bf16 / e4m3fn cache) against 384 / 263 us for the
+# same work as two calls, while mma.sync's cheap empty CTAs cost 422 / 296 us (docs/cuda.md).
+WGMMA_MIN_FILL = 0.5
 
 
-def _prefill_wgmma(head_size: int, device: torch.device) -> bool:
+def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs: int, max_query_len: int) -> bool:
     kernel = PREFILL_KERNEL if PREFILL_KERNEL != "auto" else env.cuda_prefill_kernel()
     if kernel != "auto":
         return kernel == "wgmma"
     _, arch = _device_facts(_device_index(device))
-    return head_size in tuning_for(arch).get("prefill", {}).get("wgmma_head_sizes", ())
+    listed = head_size in tuning_for(arch).get("prefill", {}).get("wgmma_head_sizes", ())
+    return listed and total_q >= WGMMA_MIN_FILL * num_seqs * max_query_len
 
 
 @functools.cache
@@ -140,7 +148,8 @@ def _prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, qu
             block_tables.stride(0), scale, ks, vs, 0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss,
             seq_lens.shape[0], h, hkv, bs, 0 if sliding_window is None else sliding_window, int(causal),
             int(query.dtype == torch.bfloat16), max_query_len, 2, *_row_strides(key_cache, "key_cache"),
-            *_row_strides(value_cache, "value_cache"), int(_prefill_wgmma(d, query.device))]
+            *_row_strides(value_cache, "value_cache"),
+            int(_prefill_wgmma(d, query.device, query.shape[0], seq_lens.shape[0], max_query_len))]
 
 
 def _multi_token(call) -> bool:

@@ -95,7 +95,8 @@ def summary(arch: str) -> str:
                 if v.get("warp_rows", 0) > 0 else ", warp rows off")
              for c, v in t["classes"].items()]
     wg = t.get("prefill", {}).get("wgmma_head_sizes", [])
-    lines.append("multi-token kernel: " + (f"wgmma (csrc/prefill_sm90.cuh) for head sizes {', '.join(map(str, wg))}, "
-                                           "mma.sync for the rest" if wg else "mma.sync (csrc/prefill.cuh)")
+    lines.append("multi-token kernel: " + (f"wgmma (csrc/prefill_sm90.cuh) for head sizes {', '.join(map(str, wg))} "
+                                           "(grids at least half rows), mma.sync for the rest" if wg
+                                           else "mma.sync (csrc/prefill.cuh)")
                  + "; HAL_CUDA_PREFILL overrides")
     return "\n".join([head + ":"] + lines)

@@ -1,6 +1,6 @@
-// Multi-token paged attention on Hopper (sm_90a), opt-in (launch.py PREFILL_KERNEL, the tuning entry's
-// prefill.wgmma_head_sizes): the contract and the row mapping of prefill.cuh, with the two products on
-// warpgroup MMAs (wgmma.cuh) fed by a producer warpgroup.
+// Multi-token paged attention on Hopper (sm_90a), chosen per head size by the tuning entry's
+// prefill.wgmma_head_sizes (or HAL_CUDA_PREFILL): the contract and the row mapping of prefill.cuh, with
+// the two products on warpgroup MMAs (wgmma.cuh) fed by a producer warpgroup.
 //
 // One CTA of three warpgroups (384 threads) per (sequence, 128 query rows, KV head):
 // * warpgroup 0, the producer (56 registers after setmaxnreg): Q into shared memory (a bf16 query over
