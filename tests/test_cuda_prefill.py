@@ -1,7 +1,8 @@
 """The cuda pack's multi-token paged attention and its mixed batches (the one-row sequences of the same
 call through the decode kernel and its split-K), on an NVIDIA sm89+ GPU (marker ``cuda``); the
 declaration on any machine. The grid runs the kernel the tuning entry picks (on an H200: csrc/prefill_sm90.cuh,
-wgmma, for head sizes 128 and 192, csrc/prefill.cuh, mma.sync, for the rest; elsewhere mma.sync);
+wgmma, for head sizes 128 and 192 where the grid is at least half rows, csrc/prefill.cuh, mma.sync, for the
+rest; elsewhere mma.sync);
 ``test_forced_wgmma_kernel`` forces csrc/prefill_sm90.cuh (launch.PREFILL_KERNEL = "wgmma") on the same
 checks, and HAL_CUDA_PREFILL=wgmma / mma runs the whole grid on one kernel (tools/gpu_prefill.sh).
 
