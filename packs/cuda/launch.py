@@ -24,8 +24,9 @@ INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 HEAD_TILE = {1: 8, 2: 16}  # by cache element size
 # Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "wgmma_head_sizes"
 # take the wgmma kernel where the grid is mostly rows, and the rest the mma.sync one), "mma"
-# (csrc/prefill.cuh, mma.sync: every arch) or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a producer warpgroup: where it can run, an
-# sm_90 GPU with sm_90a code in the module and head sizes 64/128/192; elsewhere the mma.sync kernel).
+# (csrc/prefill.cuh, mma.sync: every arch) or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a
+# producer warpgroup: where it can run, an sm_90 GPU with sm_90a code in the module and head sizes
+# 64/128/192; elsewhere the mma.sync kernel).
 # The tests and the bench set this; users set HAL_CUDA_PREFILL.
 PREFILL_KERNEL = "auto"
 # "auto" takes the wgmma kernel only where at least this fraction of its grid has rows to compute: the
