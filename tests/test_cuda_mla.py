@@ -162,6 +162,56 @@ def test_cuda_graph_replay_equals_eager():
     assert torch.equal(out, eager)
 
 
+# launch.MLA_KERNEL = "wgmma": csrc/mla_sm90.cuh for 64-row tiles on an sm_90 GPU (elsewhere mla.cuh runs
+# and these check that). Cases: (seq_lens, q_lens or None, heads, block_size); every one has 64-row tiles
+# (more than 32 rows a sequence), odd lengths, and tokens past a tile's end.
+WGMMA_MLA_CASES = {
+    "128-heads": ([77, 5, 300, 1], None, 128, 16),
+    "64-heads-page-64": ([333, 64, 1000, 17], None, 64, 64),
+    "48-heads-one-tile-part-padding": ([129, 31], None, 48, 32),
+    "speculative-16x4": ([50, 200, 7, 64], [1, 2, 3, 4], 16, 64),
+    "speculative-128x3": ([50, 300, 9], [3, 1, 2], 128, 256),
+    "page-1": ([70, 33], None, 128, 1),
+    "split-long": ([5000, 1, 2049], None, 128, 64),
+    "empty-sequences": ([0, 40, 0], [0, 3, 0], 32, 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WGMMA_MLA_CASES))
+@pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16, *FP8_CACHES), ids=str)
+def test_forced_wgmma_kernel(case, cache, monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "wgmma")
+    lens, q_lens, heads, bs = WGMMA_MLA_CASES[case]
+    q = _query_for(cache)
+    _check(make_mla(lens, q_lens, heads=heads, ckv_dtype=cache, kpe_dtype=q, query_dtype=q, block_size=bs,
+                    seed=len(case)), multi=q_lens is not None)
+
+
+@pytest.mark.parametrize("query", (torch.float16, torch.bfloat16), ids=str)
+def test_forced_wgmma_kernel_fp8_latent_either_query_and_views(query, monkeypatch):
+    """An FP8 latent with either query dtype, in one byte buffer beside its rope (strided rows), with a
+    device scale."""
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "wgmma")
+    case = make_mla([90, 31, 257], heads=128, ckv_dtype=torch.float8_e4m3fn, kpe_dtype=query, query_dtype=query,
+                    block_size=16, seed=13)
+    nb, bs = case["ckv_cache"].shape[:2]
+    buf = torch.empty(nb, bs, 512 + 128, dtype=torch.uint8)
+    buf[..., :512] = case["ckv_cache"].view(torch.uint8)
+    buf[..., 512:] = case["kpe_cache"].view(torch.uint8)
+    case["ckv_cache"] = buf[..., :512].view(torch.float8_e4m3fn)
+    case["kpe_cache"] = buf[..., 512:].view(query)
+    case["ckv_scale"] = torch.tensor(case["ckv_scale"], dtype=torch.float32)
+    _check(case, multi=False)
+
+
+def test_forced_wgmma_kernel_graph_replay_equals_eager(monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "wgmma")
+    test_cuda_graph_replay_equals_eager()
+
+
 @pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16, *FP8_CACHES), ids=str)
 @pytest.mark.parametrize("source", (torch.float32, torch.bfloat16), ids=str)
 def test_cache_mla_bytes_equal_encode(cache, source):

@@ -261,22 +261,40 @@ def _hal_split(p: Problem, opts: dict) -> Prepared:
     return Prepared(run, out, f"2 calls ({k} decode rows, then the rest), dispatched to {'/'.join(sorted(names))}")
 
 
+def _hal_cuda_kernel(attr: str, kernel: str, source: str):
+    """The cuda pack with one of its kernel choices (``launch.<attr>``) forced to ``kernel``."""
+    def prepare(p: Problem, opts: dict) -> Prepared:
+        from hal.kernelpacks.cuda import launch
+        prepared = _hal("cuda")(p, opts)
+        inner = prepared.run
+
+        def run():
+            saved = getattr(launch, attr)
+            setattr(launch, attr, kernel)
+            try:
+                inner()
+            finally:
+                setattr(launch, attr, saved)
+
+        return Prepared(run, prepared.out, f"{source} ({kernel}) where it runs")
+    return prepare
+
+
 def _hal_cuda_wgmma(p: Problem, opts: dict) -> Prepared:
-    """The cuda pack with its sm_90a multi-token kernel (csrc/prefill_sm90.cuh) forced."""
-    if p.op != PREFILL:
-        raise Skip("prefill problems only")
-    from hal.kernelpacks.cuda import launch
-    prepared = _hal("cuda")(p, opts)
-    inner = prepared.run
+    """The cuda pack with its sm_90a kernel forced: csrc/prefill_sm90.cuh for multi-token attention,
+    csrc/mla_sm90.cuh for MLA decode (64-row tiles)."""
+    if p.op == PREFILL:
+        return _hal_cuda_kernel("PREFILL_KERNEL", "wgmma", "csrc/prefill_sm90.cuh")(p, opts)
+    if p.op == MLA:
+        return _hal_cuda_kernel("MLA_KERNEL", "wgmma", "csrc/mla_sm90.cuh")(p, opts)
+    raise Skip("prefill and MLA problems only")
 
-    def run():
-        saved, launch.PREFILL_KERNEL = launch.PREFILL_KERNEL, "wgmma"
-        try:
-            inner()
-        finally:
-            launch.PREFILL_KERNEL = saved
 
-    return Prepared(run, prepared.out, "csrc/prefill_sm90.cuh (wgmma) where it runs")
+def _hal_cuda_mma(p: Problem, opts: dict) -> Prepared:
+    """The cuda pack with its mma.sync MLA kernel (csrc/mla.cuh) forced."""
+    if p.op != MLA:
+        raise Skip("MLA problems only")
+    return _hal_cuda_kernel("MLA_KERNEL", "mma", "csrc/mla.cuh")(p, opts)
 
 
 def baseline_for(op: str) -> str:
@@ -298,9 +316,11 @@ def all_contenders() -> list[Contender]:
             out.append(Contender(f"hal:{p.NAME}", "hal", f"hal.paged_attention / hal.mla_decode(pack={p.NAME!r})",
                                  _hal(p.NAME), ops=EVERY_OP))
         if p.NAME == "cuda":
-            out.append(Contender("hal:cuda-wgmma", "hal", "hal.paged_attention(pack='cuda') with the sm_90a "
-                                 "multi-token kernel (wgmma, producer warpgroup)", _hal_cuda_wgmma,
-                                 ops=frozenset({PREFILL})))
+            out.append(Contender("hal:cuda-wgmma", "hal", "hal.paged_attention / hal.mla_decode(pack='cuda') with "
+                                 "the sm_90a kernel forced (wgmma, producer warpgroup)", _hal_cuda_wgmma,
+                                 ops=frozenset({PREFILL, MLA})))
+            out.append(Contender("hal:cuda-mma", "hal", "hal.mla_decode(pack='cuda') with the mma.sync kernel "
+                                 "(csrc/mla.cuh) forced", _hal_cuda_mma, ops=frozenset({MLA})))
     out += [
         Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch, ops=EVERY_OP),
         Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton, ops=EVERY_OP),

@@ -36,6 +36,11 @@ PREFILL_KERNEL = "auto"
 # (3 % of the grid has rows): wgmma 432 / 311 us (bf16 / e4m3fn cache) against 384 / 263 us for the
 # same work as two calls, while mma.sync's cheap empty CTAs cost 422 / 296 us (docs/cuda.md).
 WGMMA_MIN_FILL = 0.5
+# MLA decode kernel for 64-row tiles (more than 32 rows a sequence: 128 heads, or 64 with speculative
+# rows): "auto" (the tuning entry's "mla" "wgmma"), "mma" (csrc/mla.cuh, mma.sync: every arch) or "wgmma"
+# (csrc/mla_sm90.cuh where it can run, an sm_90 GPU with sm_90a code in the module; elsewhere mla.cuh).
+# The tests and the bench set this.
+MLA_KERNEL = "auto"
 
 
 def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs: int, max_query_len: int) -> bool:
@@ -45,6 +50,13 @@ def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs:
     _, arch = _device_facts(_device_index(device))
     listed = head_size in tuning_for(arch).get("prefill", {}).get("wgmma_head_sizes", ())
     return listed and total_q >= WGMMA_MIN_FILL * num_seqs * max_query_len
+
+
+def _mla_wgmma(device: torch.device) -> bool:
+    if MLA_KERNEL != "auto":
+        return MLA_KERNEL == "wgmma"
+    _, arch = _device_facts(_device_index(device))
+    return bool(tuning_for(arch).get("mla", {}).get("wgmma", False))
 
 
 @functools.cache
@@ -273,7 +285,7 @@ def _mla_decode_args(call, q_nope, q_pe, out):
         call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, q_nope.stride(0),
         q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts,
         call.block_tables.stride(0), call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts,
-        row_tiles, int(q_nope.dtype == torch.bfloat16)]
+        row_tiles, int(q_nope.dtype == torch.bfloat16), int(groups == 4 and _mla_wgmma(dev))]
     return args, workspace
 
 

@@ -5,10 +5,10 @@
 
 namespace hal_cuda {
 
-// Whether the current device runs the sm_90a multi-token kernel (prefill_sm90.cuh): an sm_90 GPU, and
+// Whether the current device runs the sm_90a kernels (prefill_sm90.cuh, mla_sm90.cuh): an sm_90 GPU, and
 // sm_90a code in this module (HAL_CUDA_SM90A: CMake saw 90a, and no plain 90 whose cubin the driver
-// could load instead, among the archs; elsewhere that kernel's body is a trap and is never launched).
-inline bool prefill_uses_wgmma() {
+// could load instead, among the archs; elsewhere those kernels' bodies are a trap and are never launched).
+inline bool sm90a_kernels_run() {
 #ifdef HAL_CUDA_SM90A
   static std::atomic<int> cc[64];  // per device: 0 not asked yet, else major * 10 + minor
   int dev = 0;

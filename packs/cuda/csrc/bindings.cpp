@@ -35,7 +35,7 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(count, err, std::string(cudaGetErrorString((cudaError_t)err)));
   });
   // whether a multi-token call on the current device would take the sm_90a kernel when asked for
-  m.def("prefill_wgmma", [] { return prefill_uses_wgmma(); });
+  m.def("prefill_wgmma", [] { return sm90a_kernels_run(); });
   m.def("head_sizes", [] {
     py::list l;
 #define HAL_ITEM(D) l.append(D);
@@ -178,7 +178,7 @@ PYBIND11_MODULE(_C, m) {
            int64_t out_stride1, int64_t ckv_block_stride, int64_t ckv_token_stride, int64_t kpe_block_stride,
            int64_t kpe_token_stride, int64_t bt_stride0, float scale, float ckv_scale, float kpe_scale, int num_seqs,
            int num_heads, int total_q, int block_size, int partition_size, int num_parts, int row_tiles, int q_is_bf16,
-           std::uintptr_t stream) {
+           int wgmma, std::uintptr_t stream) {
           MLAParams p{};
           p.out = ptr<void>(out); p.q_nope = ptr<const void>(q_nope); p.q_pe = ptr<const void>(q_pe);
           p.ckv = ptr<const uint8_t>(ckv); p.kpe = ptr<const uint8_t>(kpe);
@@ -195,6 +195,7 @@ PYBIND11_MODULE(_C, m) {
           p.block_shift = block_shift(block_size);
           if (partition_size % 64 != 0) throw std::invalid_argument("partition_size must be a multiple of 64");
           p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
+          p.wgmma = wgmma;
           if (num_seqs == 0 || total_q == 0) return;
           auto s = reinterpret_cast<cudaStream_t>(stream);
           int err;

@@ -49,11 +49,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// Keeps the compiler from moving accesses to accumulators across an in-flight wgmma.
-__device__ __forceinline__ void wg_pin(float (&d)[32]) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 #define HAL_WG_D                                                                                       \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
@@ -95,6 +90,30 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
 #endif
 }
 
+#define HAL_WG_D16                                                                                     \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
+  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define HAL_WG_DSTR16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
+// D(64 x 32, fp32) += A(64 x 16, shared, K-major) * B(16 x 32, shared, K-major) (MLA decode's S)
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], uint64_t a, uint64_t b) {
+#ifdef HAL_WGMMA
+  if constexpr (kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " HAL_WG_DSTR16 ", %16, %17, p, 1, 1, 0, 0;\n}"
+                 : HAL_WG_D16 : "l"(a), "l"(b), "r"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " HAL_WG_DSTR16 ", %16, %17, p, 1, 1, 0, 0;\n}"
+                 : HAL_WG_D16 : "l"(a), "l"(b), "r"(1));
+  }
+#endif
+}
+// Keeps the compiler from moving accesses to accumulators across an in-flight wgmma.
+template <int N> __device__ __forceinline__ void wg_pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // Keeps registers that an in-flight wgmma reads (its A operand) live, and unmoved, until this point.
 template <int N> __device__ __forceinline__ void wg_pin_regs(uint32_t (&a)[N][4]) {
 #pragma unroll
@@ -105,5 +124,7 @@ template <int N> __device__ __forceinline__ void wg_pin_regs(uint32_t (&a)[N][4]
 
 #undef HAL_WG_D
 #undef HAL_WG_DSTR
+#undef HAL_WG_D16
+#undef HAL_WG_DSTR16
 
 }  // namespace hal_cuda

@@ -1,0 +1,450 @@
+// MLA decode on Hopper (sm_90a): the contract and the row mapping of mla.cuh (rows are (query token,
+// head) pairs, 64 a CTA), with both products on warpgroup MMAs (wgmma.cuh) fed by a producer warpgroup.
+// Chosen for row tiles of 64 (more than 32 rows a sequence: 128 heads at TP 1, or speculative rows) by
+// the tuning entry's "mla" "wgmma" (or launch.MLA_KERNEL).
+//
+// One CTA of three warpgroups (384 threads) per (sequence, 64 rows, partition of the context):
+// * warpgroup 0, the producer (56 registers after setmaxnreg): Q into shared memory (a bf16 query over
+//   an FP8 latent moved into fp16 by a power of two, as mla.cuh), then every K/V tile of 32 tokens
+//   through the block table by cp.async: 16-bit caches straight into the operand buffers; FP8 latents
+//   (and their 16-bit rope) into byte staging tiles a tile ahead, each thread widening the bytes it
+//   copied with the hardware cvt (so the copies need no barrier).
+// * warpgroups 1 and 2, the consumers (224 registers): both own the same 64 rows and half of O's 512
+//   columns each (O: 128 fp32 registers a thread). S = Q K^T (64 x 32, Q and K from shared memory) is
+//   split over its 576 dims: consumer 0 the latent's first 288, consumer 1 the other 224 and the rope
+//   (its own accumulator, scaled into the latent's units in fp32). They swap their partial S through
+//   shared memory, so both hold the same S and run the same online softmax; then O += P V with P from
+//   registers (16 bits, never FP8) and V (the latent, MN-major) from the K tile.
+// The consumers issue S of tile i while the P V of tile i - 1 is still on the tensor cores; a K/V buffer
+// is handed back (an "empty" mbarrier) once its P V is done. Producer and consumers meet at a "full" and
+// an "empty" mbarrier per buffer.
+//
+// Shared-memory operand layout: wgmma's no-swizzle core matrices (8 rows x 16 bytes), as wgmma.cuh, but
+// in the K/V tiles the core matrices of one row group lie 144 bytes apart instead of 128, so the eight
+// 16-byte chunks of one row that eight producer threads write at once land in distinct banks.
+#pragma once
+#include "mla.cuh"
+#include "sync.cuh"
+#include "wgmma.cuh"
+
+namespace hal_cuda {
+namespace mla {
+
+struct Wg {
+  static constexpr int kThreads = 384, kRows = 64, kN = 32;
+  static constexpr int kChunks = kW / 8;           // 72 16-byte chunks of 16-bit elements in a K row
+  static constexpr int kQCs = 128;                 // bytes between Q's core matrices along its dims
+  static constexpr int kKCs = 144;                 // ... of the K/V tiles (padded, see above)
+  static constexpr int kQGroup = kChunks * kQCs;   // bytes between 8-row groups of Q
+  static constexpr int kKGroup = kChunks * kKCs;   // ... of a K/V tile
+  static constexpr int kQBytes = kRows / 8 * kQGroup;
+  static constexpr int kTile = kN / 8 * kKGroup;
+  // FP8 staging rows: the latent's 512 bytes and the rope's 128; 704 = 64 mod 128, so the two rows a
+  // quarter-warp copies (4 pieces each) fall in distinct banks
+  static constexpr int kStageRow = 704;
+  static constexpr int kStage = kN * kStageRow;
+  static constexpr int kSplit = 18;                // k16 steps of the latent for consumer 0 (of 32)
+  static constexpr int kXBytes = 2 * 16 * 128 * 4;  // the two consumers' partial S (16 floats a thread)
+  template <bool kFp8> __host__ __device__ static constexpr int bufs() { return kFp8 ? 2 : 3; }
+  // copies of the swap area: two (by step parity, one barrier a step) where they fit, else one (a
+  // second barrier: the other consumer has read the previous partial)
+  template <bool kFp8> __host__ __device__ static constexpr int swaps() { return kFp8 ? 1 : 2; }
+  template <bool kFp8> __host__ __device__ static constexpr int stages() { return kFp8 ? 2 : 0; }
+  template <bool kFp8> __host__ __device__ static constexpr int smem() {
+    return kQBytes + bufs<kFp8>() * kTile + stages<kFp8>() * kStage + swaps<kFp8>() * kXBytes + 2 * bufs<kFp8>() * 8 + 32;
+  }
+};
+static_assert(Wg::smem<true>() <= 227 * 1024 && Wg::smem<false>() <= 227 * 1024, "shared memory");
+
+// Named barriers (0 is __syncthreads): the producer's own (Q's absmax), and the consumers' swap of S.
+enum : int { kBarQ = 1, kBarSwap = 2 };
+
+template <Kind K, bool kQBf16>
+__global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams p) {
+#ifdef HAL_WGMMA
+  constexpr bool kFp8 = Traits<K>::kFp8;
+  constexpr bool kNopeBf16 = K == Kind::BF16;
+  constexpr bool kRescale = kFp8 && kQBf16;
+  static_assert(kFp8 || (K == Kind::BF16) == kQBf16, "a 16-bit latent has the query's dtype");
+  constexpr int NB = Wg::bufs<kFp8>(), NT = kFp8 ? Wg::stages<kFp8>() : 1, N = Wg::kN;
+  extern __shared__ __align__(16) uint8_t smem[];  // no-swizzle operands need 16 bytes
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + Wg::kQBytes;                       // NB tiles of N x 576
+  uint8_t* stg = sK + NB * Wg::kTile;                   // FP8: NT staging tiles
+  constexpr int NX = Wg::swaps<kFp8>();
+  float* xS = reinterpret_cast<float*>(stg + Wg::stages<kFp8>() * Wg::kStage);  // [NX][2][16][128]
+  uint64_t* full = reinterpret_cast<uint64_t*>(xS + NX * 2 * 16 * 128);
+  uint64_t* empty = full + NB;
+  float* s_q2 = reinterpret_cast<float*>(empty + NB);   // the power of two q_nope was scaled by
+  float* s_red = s_q2 + 1;                              // [4] the producer warps' absmax
+
+  const int seq = blockIdx.x, part = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int wg = warp / 4;
+  const int H = p.num_heads;
+  int q0 = seq, qlen = 1;
+  if (p.query_start_loc) { q0 = p.query_start_loc[seq]; qlen = p.query_start_loc[seq + 1] - q0; }
+  const int rows = qlen * H;
+  const int r0 = blockIdx.y * Wg::kRows;
+  if (r0 >= rows) return;
+  const int L = p.seq_lens[seq];
+  const bool split = p.num_parts > 1;
+  const int p0 = part * p.partition_size;
+  const int p1 = min(p0 + p.partition_size, L);
+  if (split && p0 >= L) {  // CTA-uniform: an empty partition says so to the merge
+    const int r = r0 + tid;
+    if (tid < Wg::kRows && r < rows) {
+      const int tq = r / H;
+      const int64_t slot = ((int64_t)(q0 + tq) * H + (r - tq * H)) * p.num_parts + part;
+      p.part_ml[2 * slot] = -INFINITY;
+      p.part_ml[2 * slot + 1] = 0.f;
+    }
+    return;
+  }
+  const int steps = p1 > p0 ? (p1 - p0 + N - 1) / N : 0;
+  if (tid < NB) {
+    mbar_init(full + tid, 128);
+    mbar_init(empty + tid, 256);
+  }
+  __syncthreads();  // every thread of the CTA takes this path
+
+  if (wg == 0) {
+    // ================= producer: Q, then every K/V tile through the block table =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    // Q: 64 rows x 72 chunks, zeros past the rows; a quarter-warp writes one chunk of 8 rows (distinct banks)
+    float amax = 0.f;
+#pragma unroll 4
+    for (int c = tid; c < Wg::kRows * Wg::kChunks; c += 128) {
+      const int row = c & 63, ch = c >> 6, r = r0 + row;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < rows) {
+        const int tq = r / H, h = r - tq * H;
+        const uint16_t* src = ch < 64
+            ? static_cast<const uint16_t*>(p.q_nope) + (int64_t)(q0 + tq) * p.qn_stride0 + (int64_t)h * p.qn_stride1 + ch * 8
+            : static_cast<const uint16_t*>(p.q_pe) + (int64_t)(q0 + tq) * p.qp_stride0 + (int64_t)h * p.qp_stride1 + (ch - 64) * 8;
+        v = __ldg(reinterpret_cast<const uint4*>(src));
+      }
+      if (kRescale && ch < 64) {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          amax = fmaxf(amax, fmaxf(fabsf(bf16_bits_to_f32(w[i] & 0xffffu)), fabsf(bf16_bits_to_f32(w[i] >> 16))));
+      }
+      *reinterpret_cast<uint4*>(sQ + (row >> 3) * Wg::kQGroup + ch * Wg::kQCs + (row & 7) * 16) = v;
+    }
+    float s2k = 1.f;
+    if constexpr (kRescale) {
+#pragma unroll
+      for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      if (lane == 0) s_red[warp] = amax;
+      bar_sync(kBarQ, 128);
+      amax = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
+      // amax * 2^e in [2^14, 2^15): fits fp16 (max 65504) with room for its rounding (as mla.cuh)
+      const int e = amax > 0.f && amax <= 3.4e38f ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
+      s2k = __int_as_float((e + 127) << 23);
+#pragma unroll 4
+      for (int c = tid; c < Wg::kRows * 64; c += 128) {  // in place: the chunks this thread wrote
+        const int row = c & 63, ch = c >> 6;
+        uint4* q = reinterpret_cast<uint4*>(sQ + (row >> 3) * Wg::kQGroup + ch * Wg::kQCs + (row & 7) * 16);
+        const uint4 v = *q;
+        uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          w[i] = pack_f16x2(bf16_bits_to_f32(w[i] & 0xffffu) * s2k, bf16_bits_to_f32(w[i] >> 16) * s2k);
+        *q = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+    if (tid == 0) *s_q2 = s2k;  // released with thread 0's first "full" arrival
+
+    const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
+    const int bmask = p.block_size - 1;
+    if constexpr (!kFp8) {
+      // 16-bit: thread row 8 (q / 4) + q % 4 + 4 hb of a tile (q = tid / 8, hb = bit 2 of tid), chunks
+      // cs + 4m (cs = tid % 4, m < 18; m >= 16 the rope): a quarter-warp copies 64 contiguous bytes of two
+      // rows four apart, which land in 8 distinct banks (chunks 144 bytes apart, rows 16)
+      const int qw = tid >> 3, cs = tid & 3;
+      const int row = (qw >> 2) * 8 + (qw & 3) + 4 * ((tid >> 2) & 1);
+      auto page_of = [&](int i) {
+        const int j = p0 + i * N + row;
+        return i < steps && j < p1 ? table[j >> p.block_shift] : 0;
+      };
+      auto load = [&](int i, int pg) {
+        const int j = p0 + i * N + row;
+        const bool ok = j < p1;
+        const int64_t slot = j & bmask;
+        const uint8_t* cr = p.ckv + (int64_t)pg * p.ckv_block_stride + slot * p.ckv_token_stride;
+        const uint8_t* kr = p.kpe + (int64_t)pg * p.kpe_block_stride + slot * p.kpe_token_stride;
+        uint8_t* d = sK + (i % NB) * Wg::kTile + (row >> 3) * Wg::kKGroup + (row & 7) * 16;
+#pragma unroll
+        for (int m = 0; m < 18; ++m) {
+          const int ch = cs + 4 * m;
+          const uint8_t* src = m < 16 ? cr + ch * 16 : kr + (ch - 64) * 16;
+          cp_async16(smem_addr(d + ch * Wg::kKCs), ok ? src : p.ckv, ok);
+        }
+      };
+      // Tile k's buffer is refilled once the consumers hand it back ("empty", when k + NB < steps: the
+      // tiles waited for here). Tile i - 1 is announced after tile i's copies are issued, so two tiles'
+      // copies are in flight.
+      int pg = page_of(0);
+#pragma unroll 1
+      for (int i = 0; i < steps; ++i) {
+        if (i >= NB) mbar_wait(empty + i % NB, ((i - NB) / NB) & 1);
+        load(i, pg);
+        cp_async_commit();
+        pg = page_of(i + 1);
+        if (i >= 1) {
+          cp_async_wait_group<1>();
+          fence_proxy_async();
+          mbar_arrive(full + (i - 1) % NB);
+        }
+      }
+      cp_async_wait_all();
+      if (steps > 0) {
+        fence_proxy_async();
+        mbar_arrive(full + (steps - 1) % NB);
+      }
+    } else {
+      // FP8: thread row 2 (tid / 8) + (tid / 4) % 2 of a tile, latent pieces pl + 4m (16 bytes, m < 8)
+      // and rope chunks pl, pl + 4: a quarter-warp copies 64 contiguous bytes of two rows
+      const int row = 2 * (tid >> 3) + ((tid >> 2) & 1), pl = tid & 3;
+      auto page_of = [&](int i) {
+        const int j = p0 + i * N + row;
+        return i < steps && j < p1 ? table[j >> p.block_shift] : 0;
+      };
+      auto load = [&](int i, int pg) {  // into staging tile i % NT
+        const int j = p0 + i * N + row;
+        const bool ok = j < p1;
+        const int64_t slot = j & bmask;
+        const uint8_t* cr = p.ckv + (int64_t)pg * p.ckv_block_stride + slot * p.ckv_token_stride;
+        const uint8_t* kr = p.kpe + (int64_t)pg * p.kpe_block_stride + slot * p.kpe_token_stride;
+        uint8_t* st = stg + (i % NT) * Wg::kStage + row * Wg::kStageRow;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) cp_async16(smem_addr(st + (pl + 4 * m) * 16), ok ? cr + (pl + 4 * m) * 16 : p.ckv, ok);
+#pragma unroll
+        for (int m = 0; m < 2; ++m) cp_async16(smem_addr(st + 512 + (pl + 4 * m) * 16), ok ? kr + (pl + 4 * m) * 16 : p.kpe, ok);
+      };
+      auto widen = [&](int i) {  // this thread's pieces of staging tile i % NT -> operand buffer i % NB
+        const uint8_t* st = stg + (i % NT) * Wg::kStage + row * Wg::kStageRow;
+        uint8_t* d = sK + (i % NB) * Wg::kTile + (row >> 3) * Wg::kKGroup + (row & 7) * 16;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+          const int pc = pl + 4 * m;
+          const uint4 b = *reinterpret_cast<const uint4*>(st + pc * 16);
+          *reinterpret_cast<uint4*>(d + 2 * pc * Wg::kKCs) =
+              make_uint4(fp8x2_to_f16x2<K>(b.x), fp8x2_to_f16x2<K>(b.x >> 16), fp8x2_to_f16x2<K>(b.y), fp8x2_to_f16x2<K>(b.y >> 16));
+          *reinterpret_cast<uint4*>(d + (2 * pc + 1) * Wg::kKCs) =
+              make_uint4(fp8x2_to_f16x2<K>(b.z), fp8x2_to_f16x2<K>(b.z >> 16), fp8x2_to_f16x2<K>(b.w), fp8x2_to_f16x2<K>(b.w >> 16));
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int c = pl + 4 * m;
+          *reinterpret_cast<uint4*>(d + (64 + c) * Wg::kKCs) = *reinterpret_cast<const uint4*>(st + 512 + c * 16);
+        }
+      };
+      if (steps > 0) load(0, page_of(0));
+      cp_async_commit();
+      int pg = page_of(1);
+#pragma unroll 1
+      for (int i = 0; i < steps; ++i) {
+        if (i + 1 < steps) load(i + 1, pg);  // into the staging tile of tile i - 1, widened by now
+        cp_async_commit();
+        pg = page_of(i + 2);
+        cp_async_wait_group<1>();  // this thread's pieces of tile i landed
+        if (i >= NB) mbar_wait(empty + i % NB, ((i - NB) / NB) & 1);
+        widen(i);
+        fence_proxy_async();
+        mbar_arrive(full + i % NB);
+      }
+      cp_async_wait_all();
+    }
+    return;
+  }
+
+  // ================= consumers: the same 64 rows, O's columns 256 cw .. 256 cw + 255 =================
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+  const int cw = wg - 1, cwarp = warp & 3, ct = tid - 128 * wg;
+  int lim[2], orow[2], ohead[2];  // this thread's rows (g, g + 8 of its warp's 16): causal limit, output slot
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = r0 + cwarp * 16 + g + 8 * e;
+    const int tq = r / H;
+    lim[e] = r < rows ? min(L - qlen + tq + 1, p1) : 0;  // padding rows see nothing
+    orow[e] = r < rows ? q0 + tq : -1;
+    ohead[e] = r - tq * H;
+  }
+  const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
+  const float ps = p.kpe_scale_ptr ? *p.kpe_scale_ptr : p.kpe_scale;
+
+  float o[4][32];
+#pragma unroll
+  for (int c = 0; c < 4; ++c)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[c][i] = 0.f;
+  float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.f, 0.f};
+
+  if (steps > 0) {
+    mbar_wait(full, 0);  // tile 0, Q and its power of two
+    const float s2k = *s_q2;
+    const float ratio = ps * s2k / cs;            // rope logits into the latent's (rescaled) units
+    const float c2 = cs / s2k * p.scale * kLog2e;  // to log2 units
+    const uint8_t* qwg = sQ;
+    float s[16], sr[16];
+    uint32_t pa[2][4];
+    float* x_own = xS + cw * 16 * 128 + ct;
+    const float* x_other = xS + (1 - cw) * 16 * 128 + ct;
+#pragma unroll 1
+    for (int i = 0; i < steps; ++i) {
+      const int b = i % NB;
+      if (i > 0) mbar_wait(full + b, (i / NB) & 1);
+      const uint8_t* kt = sK + b * Wg::kTile;
+      // ---- partial S over this consumer's dims ----
+#pragma unroll
+      for (int e = 0; e < 16; ++e) s[e] = sr[e] = 0.f;
+      wg_fence();
+      auto qk = [&](float (&d)[16], int kb, auto bf16_tag) {
+        constexpr bool kBf = decltype(bf16_tag)::value;
+        wgmma_ss_n32<kBf>(d, wg_desc(qwg + 2 * kb * Wg::kQCs, Wg::kQCs, Wg::kQGroup),
+                          wg_desc(kt + 2 * kb * Wg::kKCs, Wg::kKCs, Wg::kKGroup));
+      };
+      if (cw == 0) {
+#pragma unroll
+        for (int kb = 0; kb < Wg::kSplit; ++kb) qk(s, kb, std::integral_constant<bool, kNopeBf16>{});
+      } else {
+#pragma unroll
+        for (int kb = kR / 16; kb < kW / 16; ++kb) qk(sr, kb, std::integral_constant<bool, kQBf16>{});
+#pragma unroll
+        for (int kb = Wg::kSplit; kb < kR / 16; ++kb) qk(s, kb, std::integral_constant<bool, kNopeBf16>{});
+      }
+      wg_commit();
+      wg_wait<1>();  // the P V of tile i - 1 is done: its buffer goes back to the producer
+#pragma unroll
+      for (int c = 0; c < 4; ++c) wg_pin(o[c]);
+      if (i >= 1 && i - 1 + NB < steps) mbar_arrive(empty + (i - 1) % NB);
+      wg_wait<0>();
+      wg_pin(s);
+      wg_pin(sr);
+      // ---- swap the partial S: both consumers then hold s0 + s1 (the same bits: + commutes) ----
+      if (cw == 1)
+#pragma unroll
+        for (int e = 0; e < 16; ++e) s[e] = fmaf(ratio, sr[e], s[e]);
+      if (NX == 1 && i > 0) bar_sync(kBarSwap, 256);  // the other consumer has read the previous partial
+      const int xo = NX == 1 ? 0 : (i & 1) * 2 * 16 * 128;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) x_own[xo + e * 128] = s[e];
+      bar_sync(kBarSwap, 256);
+#pragma unroll
+      for (int e = 0; e < 16; ++e) s[e] += x_other[xo + e * 128];
+      // ---- online softmax (log2 units): element 4 nt + 2 hi + e is row g + 8 hi, token 8 nt + 2 t + e ----
+      const int jb = p0 + i * N + 2 * t;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * nt + 2 * hi + e];
+            x = jb + 8 * nt + e < lim[hi] ? x * c2 : -INFINITY;
+            mx[hi] = fmaxf(mx[hi], x);
+          }
+      float alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 1));
+        mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 2));
+        const float mt = fmaxf(m2[hi], mx[hi]);
+        alpha[hi] = mt == -INFINITY ? 1.f : fast_exp2(m2[hi] - mt);
+        const float msafe = mt == -INFINITY ? 0.f : mt;
+        m2[hi] = mt;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * nt + 2 * hi + e];
+            x = fast_exp2(x - msafe);
+            rs[hi] += x;
+          }
+        l2[hi] = l2[hi] * alpha[hi] + rs[hi];
+      }
+      // O rescaled only where some row's maximum moved in this warp (alpha == 1 leaves O as it is):
+      // after the first tiles that is rare, and the rescale is 128 multiplies a thread
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+              o[c][4 * nt + 2 * hi] *= alpha[hi];
+              o[c][4 * nt + 2 * hi + 1] *= alpha[hi];
+            }
+      }
+      // P's k16 slices (tokens 16 kk ..) from the accumulators of n8 tiles 2 kk and 2 kk + 1
+      auto pack = [](float lo, float hi) { return kNopeBf16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi); };
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const float* sc = s + 8 * kk;
+        pa[kk][0] = pack(sc[0], sc[1]);
+        pa[kk][1] = pack(sc[2], sc[3]);
+        pa[kk][2] = pack(sc[4], sc[5]);
+        pa[kk][3] = pack(sc[6], sc[7]);
+      }
+      // ---- O += P V: V = the tile's latent, MN-major, this consumer's 256 columns in 4 pieces ----
+#pragma unroll
+      for (int c = 0; c < 4; ++c) wg_pin(o[c]);
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          wgmma_rs<kNopeBf16, true>(o[c], pa[kk],
+                                    wg_desc(kt + 2 * kk * Wg::kKGroup + (32 * cw + 8 * c) * Wg::kKCs, Wg::kKGroup, Wg::kKCs));
+      wg_commit();
+    }
+    wg_wait<0>();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) wg_pin(o[c]);
+    wg_pin_regs(pa);
+  }
+
+  // ---- the row sums over the quad, then the output or this partition's partial ----
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    l2[e] += __shfl_xor_sync(0xffffffffu, l2[e], 1);
+    l2[e] += __shfl_xor_sync(0xffffffffu, l2[e], 2);
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (orow[e] < 0) continue;
+    // l == 0: no key (an empty sequence gives zeros; an empty partition is skipped by the merge)
+    const float inv = l2[e] == 0.f ? 0.f : 1.f / l2[e];
+    if (!split) {
+      char* base = static_cast<char*>(p.out) + ((int64_t)orow[e] * p.out_stride0 + (int64_t)ohead[e] * p.out_stride1) * 2;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int col = 256 * cw + 64 * c + 8 * nt + 2 * t;
+          const float x = o[c][4 * nt + 2 * e] * inv * cs, y = o[c][4 * nt + 2 * e + 1] * inv * cs;
+          *reinterpret_cast<uint32_t*>(base + col * 2) = p.q_is_bf16 ? pack_bf16x2(x, y) : pack_f16x2(x, y);
+        }
+    } else {
+      const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
+      float* dst = p.part_out + slot * kR;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const int col = 256 * cw + 64 * c + 8 * nt + 2 * t;
+          *reinterpret_cast<float2*>(dst + col) = make_float2(o[c][4 * nt + 2 * e] * inv, o[c][4 * nt + 2 * e + 1] * inv);
+        }
+      if (cw == 0 && t == 0) p.part_ml[2 * slot] = m2[e], p.part_ml[2 * slot + 1] = l2[e];
+    }
+  }
+#else
+  __trap();  // launched only where the module holds sm_90a code (launch_mla checks)
+#endif
+}
+
+}  // namespace mla
+}  // namespace hal_cuda
