@@ -537,6 +537,34 @@ def test_cuda_multi_token_call_copies_a_query_whose_rows_are_off_16_bytes(monkey
     assert ptrs["prefill"] % 16 == 0 and ptrs["prefill"] != q.data_ptr()
 
 
+def test_cuda_mla_kernel_choice(monkeypatch):
+    """The MLA launch's last argument asks for the sm_90a kernel (csrc/mla_sm90.cuh): only for 64-row tiles
+    (more than 32 rows a sequence; row groups 4, the argument before the output pointer), from
+    launch.MLA_KERNEL, else the tuning entry's mla.wgmma (shipped on for sm_90)."""
+    launch, seen = _launch_under_test(monkeypatch)
+
+    def asked(heads, q_lens=None, attr="auto"):
+        case = make_mla([70, 9], q_lens, heads=heads, seed=heads)
+        qsl = case["query_start_loc"] if q_lens else None
+        record = hal.ops.prepare("mla_decode", q_nope=case["q_nope"], q_pe=case["q_pe"], ckv_cache=case["ckv_cache"],
+                                 kpe_cache=case["kpe_cache"], block_tables=case["block_tables"],
+                                 seq_lens=case["seq_lens"], scale=case["scale"], ckv_scale=case["ckv_scale"],
+                                 query_start_loc=qsl, max_query_len=max(q_lens) if q_lens else None)
+        monkeypatch.setattr(launch, "MLA_KERNEL", attr)
+        seen.clear()
+        launch.mla_decode(record)
+        (name, a), = seen
+        return a[1], a[-2]  # row groups, wgmma
+
+    assert asked(128) == (4, 1) and asked(16) == (1, 0) and asked(32) == (2, 0) and asked(48) == (4, 1)
+    assert asked(16, [4, 1]) == (4, 1)                        # 64 rows: speculative tokens x heads
+    assert asked(128, attr="mma") == (4, 0) and asked(16, attr="wgmma") == (1, 0)
+    real = launch.tuning_for
+    monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
+                        {**real(arch), "mla": {"wgmma": False}})
+    assert asked(128) == (4, 0) and asked(128, attr="wgmma") == (4, 1)
+
+
 def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     launch, seen = _launch_under_test(monkeypatch)
     case = make_mla([600, 70, 3], [2, 1, 1], r=512, p=64, heads=16, combined=True,

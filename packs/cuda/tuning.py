@@ -99,4 +99,6 @@ def summary(arch: str) -> str:
                                            "(grids at least half rows), mma.sync for the rest" if wg
                                            else "mma.sync (csrc/prefill.cuh)")
                  + "; HAL_CUDA_PREFILL overrides")
+    lines.append("MLA decode, 64-row tiles: " + ("wgmma (csrc/mla_sm90.cuh)" if t.get("mla", {}).get("wgmma")
+                                                 else "mma.sync (csrc/mla.cuh)"))
     return "\n".join([head + ":"] + lines)
