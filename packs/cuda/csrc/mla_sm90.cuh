@@ -11,8 +11,8 @@
 //   copied with the hardware cvt (so the copies need no barrier).
 // * warpgroups 1 and 2, the consumers (224 registers): both own the same 64 rows and half of O's 512
 //   columns each (O: 128 fp32 registers a thread). S = Q K^T (64 x 32, Q and K from shared memory) is
-//   split over its 576 dims: consumer 0 the latent's first 288, consumer 1 the other 224 and the rope
-//   (its own accumulator, scaled into the latent's units in fp32). They swap their partial S through
+//   split over its 576 dims: each consumer takes half of the latent's and half of the rope's (the rope in
+//   its own accumulator, scaled into the latent's units in fp32). They swap their partial S through
 //   shared memory, so both hold the same S and run the same online softmax; then O += P V with P from
 //   registers (16 bits, never FP8) and V (the latent, MN-major) from the K tile.
 // The consumers issue S of tile i while the P V of tile i - 1 is still on the tensor cores; a K/V buffer
@@ -43,21 +43,20 @@ struct Wg {
   // quarter-warp copies (4 pieces each) fall in distinct banks
   static constexpr int kStageRow = 704;
   static constexpr int kStage = kN * kStageRow;
-  static constexpr int kSplit = 18;                // k16 steps of the latent for consumer 0 (of 32)
-  static constexpr int kXBytes = 2 * 16 * 128 * 4;  // the two consumers' partial S (16 floats a thread)
+  // a consumer's area: its partial S (16 floats a thread), then its P (64 x 32, 16-bit: the A operand of
+  // P V in wgmma's K-major core matrices)
+  static constexpr int kXBytes = 2 * 16 * 128 * 4;
   template <bool kFp8> __host__ __device__ static constexpr int bufs() { return kFp8 ? 2 : 3; }
-  // copies of the swap area: two (by step parity, one barrier a step) where they fit, else one (a
-  // second barrier: the other consumer has read the previous partial)
-  template <bool kFp8> __host__ __device__ static constexpr int swaps() { return kFp8 ? 1 : 2; }
   template <bool kFp8> __host__ __device__ static constexpr int stages() { return kFp8 ? 2 : 0; }
   template <bool kFp8> __host__ __device__ static constexpr int smem() {
-    return kQBytes + bufs<kFp8>() * kTile + stages<kFp8>() * kStage + swaps<kFp8>() * kXBytes + 2 * bufs<kFp8>() * 8 + 32;
+    return kQBytes + bufs<kFp8>() * kTile + stages<kFp8>() * kStage + kXBytes + 2 * bufs<kFp8>() * 8 + 32;
   }
 };
 static_assert(Wg::smem<true>() <= 227 * 1024 && Wg::smem<false>() <= 227 * 1024, "shared memory");
 
-// Named barriers (0 is __syncthreads): the producer's own (Q's absmax), and the consumers' swap of S.
-enum : int { kBarQ = 1, kBarSwap = 2 };
+// Named barriers (0 is __syncthreads): the producer's own (Q's absmax), the consumers' swap of S, and
+// one a consumer (its P in shared memory before its P V).
+enum : int { kBarQ = 1, kBarSwap = 2, kBarP = 3 };
 
 template <Kind K, bool kQBf16>
 __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams p) {
@@ -71,9 +70,8 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
   uint8_t* sQ = smem;
   uint8_t* sK = sQ + Wg::kQBytes;                       // NB tiles of N x 576
   uint8_t* stg = sK + NB * Wg::kTile;                   // FP8: NT staging tiles
-  constexpr int NX = Wg::swaps<kFp8>();
-  float* xS = reinterpret_cast<float*>(stg + Wg::stages<kFp8>() * Wg::kStage);  // [NX][2][16][128]
-  uint64_t* full = reinterpret_cast<uint64_t*>(xS + NX * 2 * 16 * 128);
+  float* xS = reinterpret_cast<float*>(stg + Wg::stages<kFp8>() * Wg::kStage);  // [2][16][128]
+  uint64_t* full = reinterpret_cast<uint64_t*>(xS + 2 * 16 * 128);
   uint64_t* empty = full + NB;
   float* s_q2 = reinterpret_cast<float*>(empty + NB);   // the power of two q_nope was scaled by
   float* s_red = s_q2 + 1;                              // [4] the producer warps' absmax
@@ -262,7 +260,10 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
 
   // ================= consumers: the same 64 rows, O's columns 256 cw .. 256 cw + 255 =================
   asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-  const int cw = wg - 1, cwarp = warp & 3, ct = tid - 128 * wg;
+  // cw through a shuffle: the compiler then knows it is warp-uniform and builds the wgmma descriptors in
+  // uniform registers (in vector registers it borrows the accumulators of a wgmma not yet issued as
+  // temporaries, and ptxas then serializes every wgmma)
+  const int cw = __shfl_sync(0xffffffffu, wg - 1, 0), cwarp = warp & 3, ct = tid - 128 * wg;
   int lim[2], orow[2], ohead[2];  // this thread's rows (g, g + 8 of its warp's 16): causal limit, output slot
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -275,11 +276,9 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
   const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
   const float ps = p.kpe_scale_ptr ? *p.kpe_scale_ptr : p.kpe_scale;
 
-  float o[4][32];
+  float o[128];  // O(64 x 256): element 4 nt + 2 hi + e is row g + 8 hi, column 256 cw + 8 nt + 2 t + e
 #pragma unroll
-  for (int c = 0; c < 4; ++c)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[c][i] = 0.f;
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.f, 0.f};
 
   if (steps > 0) {
@@ -288,8 +287,7 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
     const float ratio = ps * s2k / cs;            // rope logits into the latent's (rescaled) units
     const float c2 = cs / s2k * p.scale * kLog2e;  // to log2 units
     const uint8_t* qwg = sQ;
-    float s[16], sr[16];
-    uint32_t pa[2][4];
+    float s[16] = {}, sr[16] = {};  // (first written by wgmma; zeroed here only to be defined)
     float* x_own = xS + cw * 16 * 128 + ct;
     const float* x_other = xS + (1 - cw) * 16 * 128 + ct;
 #pragma unroll 1
@@ -298,42 +296,40 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
       if (i > 0) mbar_wait(full + b, (i / NB) & 1);
       const uint8_t* kt = sK + b * Wg::kTile;
       // ---- partial S over this consumer's dims ----
-#pragma unroll
-      for (int e = 0; e < 16; ++e) s[e] = sr[e] = 0.f;
+      // The same instructions in both consumers (a branch around wgmma makes ptxas serialize them all):
+      // consumer cw takes the latent's k16 steps 16 cw .. 16 cw + 15 and the rope's 2 cw, 2 cw + 1. The
+      // first step of each product overwrites its accumulators (no zeroing: registers written among
+      // in-flight wgmmas make ptxas serialize them too).
+      // descriptors: a base a product, then compile-time steps (16-byte units in the address field)
+      const int rb = kR / 16 + 2 * cw, lb = 16 * cw;
+      const uint64_t qr = wg_desc(qwg + 2 * rb * Wg::kQCs, Wg::kQCs, Wg::kQGroup);
+      const uint64_t kr = wg_desc(kt + 2 * rb * Wg::kKCs, Wg::kKCs, Wg::kKGroup);
+      const uint64_t ql = wg_desc(qwg + 2 * lb * Wg::kQCs, Wg::kQCs, Wg::kQGroup);
+      const uint64_t kl = wg_desc(kt + 2 * lb * Wg::kKCs, Wg::kKCs, Wg::kKGroup);
+      constexpr uint64_t dq = 2 * Wg::kQCs / 16, dk = 2 * Wg::kKCs / 16;
       wg_fence();
-      auto qk = [&](float (&d)[16], int kb, auto bf16_tag) {
-        constexpr bool kBf = decltype(bf16_tag)::value;
-        wgmma_ss_n32<kBf>(d, wg_desc(qwg + 2 * kb * Wg::kQCs, Wg::kQCs, Wg::kQGroup),
-                          wg_desc(kt + 2 * kb * Wg::kKCs, Wg::kKCs, Wg::kKGroup));
-      };
-      if (cw == 0) {
+      wgmma_ss_n32<kQBf16, false>(sr, qr, kr);
+      wgmma_ss_n32<kQBf16, true>(sr, qr + dq, kr + dk);
+      wgmma_ss_n32<kNopeBf16, false>(s, ql, kl);
 #pragma unroll
-        for (int kb = 0; kb < Wg::kSplit; ++kb) qk(s, kb, std::integral_constant<bool, kNopeBf16>{});
-      } else {
-#pragma unroll
-        for (int kb = kR / 16; kb < kW / 16; ++kb) qk(sr, kb, std::integral_constant<bool, kQBf16>{});
-#pragma unroll
-        for (int kb = Wg::kSplit; kb < kR / 16; ++kb) qk(s, kb, std::integral_constant<bool, kNopeBf16>{});
-      }
+      for (int kb = 1; kb < 16; ++kb) wgmma_ss_n32<kNopeBf16, true>(s, ql + kb * dq, kl + kb * dk);
       wg_commit();
-      wg_wait<1>();  // the P V of tile i - 1 is done: its buffer goes back to the producer
-#pragma unroll
-      for (int c = 0; c < 4; ++c) wg_pin(o[c]);
-      if (i >= 1 && i - 1 + NB < steps) mbar_arrive(empty + (i - 1) % NB);
+      // S of tile i and the P V of tile i - 1 done (a wait for the older group alone, wait_group 1, makes
+      // ptxas serialize every wgmma of the kernel); tile i - 1's buffer goes back to the producer
       wg_wait<0>();
+      wg_pin(o);
+      if (i >= 1 && i - 1 + NB < steps) mbar_arrive(empty + (i - 1) % NB);
       wg_pin(s);
       wg_pin(sr);
       // ---- swap the partial S: both consumers then hold s0 + s1 (the same bits: + commutes) ----
-      if (cw == 1)
 #pragma unroll
-        for (int e = 0; e < 16; ++e) s[e] = fmaf(ratio, sr[e], s[e]);
-      if (NX == 1 && i > 0) bar_sync(kBarSwap, 256);  // the other consumer has read the previous partial
-      const int xo = NX == 1 ? 0 : (i & 1) * 2 * 16 * 128;
+      for (int e = 0; e < 16; ++e) s[e] = fmaf(ratio, sr[e], s[e]);
 #pragma unroll
-      for (int e = 0; e < 16; ++e) x_own[xo + e * 128] = s[e];
+      for (int e = 0; e < 16; ++e) x_own[e * 128] = s[e];  // (this area's P: its P V is done)
       bar_sync(kBarSwap, 256);
 #pragma unroll
-      for (int e = 0; e < 16; ++e) s[e] += x_other[xo + e * 128];
+      for (int e = 0; e < 16; ++e) s[e] += x_other[e * 128];
+      bar_sync(kBarSwap, 256);  // both partials read: each area takes its consumer's P next
       // ---- online softmax (log2 units): element 4 nt + 2 hi + e is row g + 8 hi, token 8 nt + 2 t + e ----
       const int jb = p0 + i * N + 2 * t;
       float mx[2] = {-INFINITY, -INFINITY};
@@ -366,45 +362,42 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
           }
         l2[hi] = l2[hi] * alpha[hi] + rs[hi];
       }
-      // O rescaled only where some row's maximum moved in this warp (alpha == 1 leaves O as it is):
-      // after the first tiles that is rare, and the rescale is 128 multiplies a thread
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+      // (unconditional: a rescale skipped per warp would put the accumulators on a divergent path, and
+      // ptxas then serializes every wgmma)
 #pragma unroll
-        for (int c = 0; c < 4; ++c)
+      for (int nt = 0; nt < 32; ++nt)
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int hi = 0; hi < 2; ++hi) {
-              o[c][4 * nt + 2 * hi] *= alpha[hi];
-              o[c][4 * nt + 2 * hi + 1] *= alpha[hi];
-            }
-      }
-      // P's k16 slices (tokens 16 kk ..) from the accumulators of n8 tiles 2 kk and 2 kk + 1
+        for (int hi = 0; hi < 2; ++hi) {
+          o[4 * nt + 2 * hi] *= alpha[hi];
+          o[4 * nt + 2 * hi + 1] *= alpha[hi];
+        }
+      // ---- P (16 bits) into this consumer's area as wgmma's A operand (K-major core matrices: element
+      // (r, k) at ((r / 8) * 4 + k / 8) * 128 + (r % 8) * 16 + (k % 8) * 2 bytes). In registers, ptxas
+      // computed the second k16 slice after the first wgmma had been issued and then serialized them all.
       auto pack = [](float lo, float hi) { return kNopeBf16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi); };
+      uint8_t* pw = reinterpret_cast<uint8_t*>(xS + cw * 16 * 128) + (2 * cwarp + 0) * 512 + g * 16 + 4 * t;
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const float* sc = s + 8 * kk;
-        pa[kk][0] = pack(sc[0], sc[1]);
-        pa[kk][1] = pack(sc[2], sc[3]);
-        pa[kk][2] = pack(sc[4], sc[5]);
-        pa[kk][3] = pack(sc[6], sc[7]);
-      }
-      // ---- O += P V: V = the tile's latent, MN-major, this consumer's 256 columns in 4 pieces ----
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) wg_pin(o[c]);
+        for (int hi = 0; hi < 2; ++hi)
+          *reinterpret_cast<uint32_t*>(pw + hi * 512 + nt * 128) = pack(s[4 * nt + 2 * hi], s[4 * nt + 2 * hi + 1]);
+      // The running sums, stored where nothing reads them: a store cannot sink below the fence, so their
+      // sums over S's registers are done before P V is issued (ptxas reads an accumulator register
+      // after a wgmma of the same stage only by serializing every wgmma).
+      *reinterpret_cast<float2*>(reinterpret_cast<uint8_t*>(xS + cw * 16 * 128) + 4096 + 8 * ct) = make_float2(l2[0], l2[1]);
+      fence_proxy_async();
+      bar_sync(kBarP + cw, 128);
+      // ---- O += P V: V = the tile's latent, MN-major, this consumer's 256 columns ----
+      wg_pin(o);
+      const uint64_t pd = wg_desc(xS + cw * 16 * 128, 128, 512);
+      const uint64_t vd = wg_desc(kt + 32 * cw * Wg::kKCs, Wg::kKGroup, Wg::kKCs);
       wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          wgmma_rs<kNopeBf16, true>(o[c], pa[kk],
-                                    wg_desc(kt + 2 * kk * Wg::kKGroup + (32 * cw + 8 * c) * Wg::kKCs, Wg::kKGroup, Wg::kKCs));
+      for (int kk = 0; kk < 2; ++kk) wgmma_ss_n256<kNopeBf16, true>(o, pd + 2 * kk * 128 / 16, vd + 2 * kk * Wg::kKGroup / 16);
       wg_commit();
     }
     wg_wait<0>();
-#pragma unroll
-    for (int c = 0; c < 4; ++c) wg_pin(o[c]);
-    wg_pin_regs(pa);
+    wg_pin(o);
   }
 
   // ---- the row sums over the quad, then the output or this partition's partial ----
@@ -421,22 +414,18 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
     if (!split) {
       char* base = static_cast<char*>(p.out) + ((int64_t)orow[e] * p.out_stride0 + (int64_t)ohead[e] * p.out_stride1) * 2;
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const int col = 256 * cw + 64 * c + 8 * nt + 2 * t;
-          const float x = o[c][4 * nt + 2 * e] * inv * cs, y = o[c][4 * nt + 2 * e + 1] * inv * cs;
+      for (int nt = 0; nt < 32; ++nt) {
+          const int col = 256 * cw + 8 * nt + 2 * t;
+          const float x = o[4 * nt + 2 * e] * inv * cs, y = o[4 * nt + 2 * e + 1] * inv * cs;
           *reinterpret_cast<uint32_t*>(base + col * 2) = p.q_is_bf16 ? pack_bf16x2(x, y) : pack_f16x2(x, y);
         }
     } else {
       const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
       float* dst = p.part_out + slot * kR;
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const int col = 256 * cw + 64 * c + 8 * nt + 2 * t;
-          *reinterpret_cast<float2*>(dst + col) = make_float2(o[c][4 * nt + 2 * e] * inv, o[c][4 * nt + 2 * e + 1] * inv);
+      for (int nt = 0; nt < 32; ++nt) {
+          const int col = 256 * cw + 8 * nt + 2 * t;
+          *reinterpret_cast<float2*>(dst + col) = make_float2(o[4 * nt + 2 * e] * inv, o[4 * nt + 2 * e + 1] * inv);
         }
       if (cw == 0 && t == 0) p.part_ml[2 * slot] = m2[e], p.part_ml[2 * slot + 1] = l2[e];
     }
