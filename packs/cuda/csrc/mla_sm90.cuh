@@ -13,8 +13,8 @@
 //   columns each (O: 128 fp32 registers a thread). S = Q K^T (64 x 32, Q and K from shared memory) is
 //   split over its 576 dims: each consumer takes half of the latent's and half of the rope's (the rope in
 //   its own accumulator, scaled into the latent's units in fp32). They swap their partial S through
-//   shared memory, so both hold the same S and run the same online softmax; then O += P V with P from
-//   registers (16 bits, never FP8) and V (the latent, MN-major) from the K tile.
+//   shared memory, so both hold the same S and run the same online softmax; then O += P V (m64n256k16)
+//   with P (16 bits, never FP8) and V (the latent, MN-major, from the K tile) in shared memory.
 // The consumers issue S of tile i while the P V of tile i - 1 is still on the tensor cores; a K/V buffer
 // is handed back (an "empty" mbarrier) once its P V is done. Producer and consumers meet at a "full" and
 // an "empty" mbarrier per buffer.
@@ -73,8 +73,10 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
   float* xS = reinterpret_cast<float*>(stg + Wg::stages<kFp8>() * Wg::kStage);  // [2][16][128]
   uint64_t* full = reinterpret_cast<uint64_t*>(xS + 2 * 16 * 128);
   uint64_t* empty = full + NB;
-  float* s_q2 = reinterpret_cast<float*>(empty + NB);   // the power of two q_nope was scaled by
-  float* s_red = s_q2 + 1;                              // [4] the producer warps' absmax
+  // [4] the producer warps' absmax (16-byte aligned: read as one vector, apart from s_q2, which thread 0
+  // writes meanwhile), then the power of two q_nope was scaled by
+  float* s_red = reinterpret_cast<float*>(empty + NB);
+  float* s_q2 = s_red + 4;
 
   const int seq = blockIdx.x, part = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
