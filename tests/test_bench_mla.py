@@ -237,8 +237,10 @@ def test_cpu_skip_reasons_of_the_gpu_only_contenders():
     with pytest.raises(Skip, match="GPUs only"):
         by["emu-triton"].setup(p, {})
     assert by["flashmla-fp8"].tolerance == mla_baselines.FLASHMLA_FP8_TOLERANCE
-    assert {n for n, c in by.items() if c.ops == frozenset({"mla"})} == \
+    assert {n for n, c in by.items() if c.ops == frozenset({"mla"}) and not n.startswith("hal")} == \
         {"torch", "flashmla", "flashmla-fp8", "flashinfer-mla"}
+    if "hal:cuda" in by:  # the cuda pack's kernel choices: the mma.sync MLA kernel forced is MLA-only
+        assert by["hal:cuda-mma"].ops == frozenset({"mla"}) and by["hal:cuda-wgmma"].ops == frozenset({"prefill", "mla"})
     assert all("mla" in by[n].ops for n in ("hal", "emu-torch", "emu-triton"))
     assert "mla" not in by["torch-sdpa"].ops
 
