@@ -20,8 +20,9 @@
 // an "empty" mbarrier per buffer.
 //
 // Shared-memory operand layout: wgmma's no-swizzle core matrices (8 rows x 16 bytes), as wgmma.cuh, but
-// in the K/V tiles the core matrices of one row group lie 144 bytes apart instead of 128, so the eight
-// 16-byte chunks of one row that eight producer threads write at once land in distinct banks.
+// in the K/V tiles the core matrices of one row group lie 144 bytes apart instead of 128, so the 16-byte
+// chunks a quarter-warp of the producer writes at once (4 chunks of each of two rows) land in distinct
+// banks.
 #pragma once
 #include "mla.cuh"
 #include "sync.cuh"
