@@ -71,6 +71,36 @@ __device__ __forceinline__ void group_sync(int id, int threads) {
 }
 __device__ __forceinline__ float bf16_bits_to_f32(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
 
+// Q staging, shared by both MLA kernels. Chunk ch (0-63: q_nope, 64-71: q_pe; 8 elements) of row r of
+// a sequence whose first query token is q0 (heads fastest); zeros past its `rows`.
+__device__ __forceinline__ uint4 q_chunk(const MLAParams& p, int q0, int rows, int r, int ch) {
+  if (r >= rows) return make_uint4(0, 0, 0, 0);
+  const int tq = r / p.num_heads, h = r - tq * p.num_heads;
+  const uint16_t* src = ch < 64
+      ? static_cast<const uint16_t*>(p.q_nope) + (int64_t)(q0 + tq) * p.qn_stride0 + (int64_t)h * p.qn_stride1 + ch * 8
+      : static_cast<const uint16_t*>(p.q_pe) + (int64_t)(q0 + tq) * p.qp_stride0 + (int64_t)h * p.qp_stride1 + (ch - 64) * 8;
+  return __ldg(reinterpret_cast<const uint4*>(src));
+}
+__device__ __forceinline__ float absmax_bf16x8(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) m = fmaxf(m, fmaxf(fabsf(bf16_bits_to_f32(w[i] & 0xffffu)), fabsf(bf16_bits_to_f32(w[i] >> 16))));
+  return m;
+}
+// The power of two 2^e that moves a bf16 query of absolute maximum amax into fp16 exactly: amax * 2^e in
+// [2^14, 2^15) fits fp16 (max 65504) with room for its rounding; 1 for a zero or non-finite amax.
+__device__ __forceinline__ float fp16_power_of_two(float amax) {
+  const int e = amax > 0.f && amax <= 3.4e38f ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
+  return __int_as_float((e + 127) << 23);
+}
+__device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 v, float s2k) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = pack_f16x2(bf16_bits_to_f32(w[i] & 0xffffu) * s2k, bf16_bits_to_f32(w[i] >> 16) * s2k);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 template <Kind K, bool kQBf16, int MW>
 __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   using T = Tile<MW>;
@@ -125,21 +155,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   // ---- Q tile -> shared (8-element chunks: 64 of q_nope, 8 of q_pe per row) ----
   float amax = 0.f;
   for (int c = tid; c < T::M * 72; c += kThreads) {
-    const int row = c / 72, ch = c % 72, r = r0 + row;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      const int tq = r / H, h = r - tq * H;
-      const uint16_t* src = ch < 64
-          ? static_cast<const uint16_t*>(p.q_nope) + (int64_t)(q0 + tq) * p.qn_stride0 + (int64_t)h * p.qn_stride1 + ch * 8
-          : static_cast<const uint16_t*>(p.q_pe) + (int64_t)(q0 + tq) * p.qp_stride0 + (int64_t)h * p.qp_stride1 + (ch - 64) * 8;
-      v = __ldg(reinterpret_cast<const uint4*>(src));
-    }
-    if (kRescale && ch < 64) {
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        amax = fmaxf(amax, fmaxf(fabsf(bf16_bits_to_f32(w[i] & 0xffffu)), fabsf(bf16_bits_to_f32(w[i] >> 16))));
-    }
+    const int row = c / 72, ch = c % 72;
+    const uint4 v = q_chunk(p, q0, rows, r0 + row, ch);
+    if (kRescale && ch < 64) amax = fmaxf(amax, absmax_bf16x8(v));
     *reinterpret_cast<uint4*>(sq + row * kStr + ch * 8) = v;
   }
   float s2k = 1.f;  // the power of two q_nope was multiplied by
@@ -151,18 +169,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
     amax = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) amax = fmaxf(amax, sred[w]);
-    // amax * 2^e in [2^14, 2^15): fits fp16 (max 65504) with room for its rounding
-    const int e = amax > 0.f && amax <= 3.4e38f ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
-    s2k = __int_as_float((e + 127) << 23);
+    s2k = fp16_power_of_two(amax);
     for (int c = tid; c < T::M * 64; c += kThreads) {  // in place: each thread its own chunks
-      const int row = c / 64, ch = c % 64;
-      uint4* q = reinterpret_cast<uint4*>(sq + row * kStr + ch * 8);
-      uint4 v = *q;
-      uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = pack_f16x2(bf16_bits_to_f32(w[i] & 0xffffu) * s2k, bf16_bits_to_f32(w[i] >> 16) * s2k);
-      *q = make_uint4(w[0], w[1], w[2], w[3]);
+      uint4* q = reinterpret_cast<uint4*>(sq + (c / 64) * kStr + (c % 64) * 8);
+      *q = bf16x8_to_f16x8(*q, s2k);
     }
     __syncthreads();  // sred is reused below
   }

@@ -116,21 +116,9 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
     float amax = 0.f;
 #pragma unroll 4
     for (int c = tid; c < Wg::kRows * Wg::kChunks; c += 128) {
-      const int row = c & 63, ch = c >> 6, r = r0 + row;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < rows) {
-        const int tq = r / H, h = r - tq * H;
-        const uint16_t* src = ch < 64
-            ? static_cast<const uint16_t*>(p.q_nope) + (int64_t)(q0 + tq) * p.qn_stride0 + (int64_t)h * p.qn_stride1 + ch * 8
-            : static_cast<const uint16_t*>(p.q_pe) + (int64_t)(q0 + tq) * p.qp_stride0 + (int64_t)h * p.qp_stride1 + (ch - 64) * 8;
-        v = __ldg(reinterpret_cast<const uint4*>(src));
-      }
-      if (kRescale && ch < 64) {
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          amax = fmaxf(amax, fmaxf(fabsf(bf16_bits_to_f32(w[i] & 0xffffu)), fabsf(bf16_bits_to_f32(w[i] >> 16))));
-      }
+      const int row = c & 63, ch = c >> 6;
+      const uint4 v = q_chunk(p, q0, rows, r0 + row, ch);
+      if (kRescale && ch < 64) amax = fmaxf(amax, absmax_bf16x8(v));
       *reinterpret_cast<uint4*>(sQ + (row >> 3) * Wg::kQGroup + ch * Wg::kQCs + (row & 7) * 16) = v;
     }
     float s2k = 1.f;
@@ -139,20 +127,12 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
       for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       if (lane == 0) s_red[warp] = amax;
       bar_sync(kBarQ, 128);
-      amax = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
-      // amax * 2^e in [2^14, 2^15): fits fp16 (max 65504) with room for its rounding (as mla.cuh)
-      const int e = amax > 0.f && amax <= 3.4e38f ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
-      s2k = __int_as_float((e + 127) << 23);
+      s2k = fp16_power_of_two(fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3])));
 #pragma unroll 4
       for (int c = tid; c < Wg::kRows * 64; c += 128) {  // in place: the chunks this thread wrote
         const int row = c & 63, ch = c >> 6;
         uint4* q = reinterpret_cast<uint4*>(sQ + (row >> 3) * Wg::kQGroup + ch * Wg::kQCs + (row & 7) * 16);
-        const uint4 v = *q;
-        uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          w[i] = pack_f16x2(bf16_bits_to_f32(w[i] & 0xffffu) * s2k, bf16_bits_to_f32(w[i] >> 16) * s2k);
-        *q = make_uint4(w[0], w[1], w[2], w[3]);
+        *q = bf16x8_to_f16x8(*q, s2k);
       }
     }
     if (tid == 0) *s_q2 = s2k;  // released with thread 0's first "full" arrival
