@@ -34,7 +34,7 @@ PYBIND11_MODULE(_C, m) {
     int err = (int)cudaGetDeviceCount(&count);
     return py::make_tuple(count, err, std::string(cudaGetErrorString((cudaError_t)err)));
   });
-  // whether a multi-token call on the current device would take the sm_90a kernel when asked for
+  // whether the current device runs the sm_90a kernels (multi-token and MLA) when they are asked for
   m.def("prefill_wgmma", [] { return sm90a_kernels_run(); });
   m.def("head_sizes", [] {
     py::list l;
