@@ -87,7 +87,7 @@ def test_launcher_names_an_inconsistent_warp_rows_request():
     except ImportError:
         pytest.skip("the compiled module is not built here (no nvcc at install time)")
     # 16 query heads per KV head in one 16-head tile (head_tiles=1), with warp rows asked for
-    args = [2, 128] + [0] * 11 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1] + [0] * 4 + [0, 0]  # strides, query_start_loc, stream
+    args = [2, 128] + [0] * 12 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1] + [0] * 4 + [0, 0]  # strides, query_start_loc, stream
     with pytest.raises(ValueError, match=r"warp_rows=1 needs one 8-head tile per CTA .*got head_tiles=1"):
         _C.paged_attention(*args)
 
@@ -187,7 +187,7 @@ WARP_ROW_CASES = {
 
 
 def _spy_warp_rows(monkeypatch):
-    """The warp_rows argument of every decode launch (argument 35 of _C.paged_attention: launch.py)."""
+    """The warp_rows argument of every decode launch (argument 36 of _C.paged_attention: launch.py)."""
     from hal.kernelpacks.cuda import launch
     seen, real = [], launch._C
 
@@ -196,7 +196,7 @@ def _spy_warp_rows(monkeypatch):
             return getattr(real, name)
 
         def paged_attention(self, *args):
-            seen.append(args[35])
+            seen.append(args[36])
             return real.paged_attention(*args)
 
     monkeypatch.setattr(launch, "_C", Spy())

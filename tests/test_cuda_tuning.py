@@ -72,6 +72,18 @@ def test_split(ctas, max_len, expect):
     assert size % 64 == 0 and size * parts >= max_len > size * (parts - 1)
 
 
+@pytest.mark.parametrize("ctas,max_len,resident,expect", [
+    (8, 32768, 4, (512, 64)),    # 99 parts wanted, but one wave of 132 x 4 CTAs holds 66: 64 parts of 512
+    (8, 32768, 16, (384, 86)),   # a wave holds all 792: as without the cap
+    (512, 4096, 4, (4096, 1)),   # 2 parts wanted, but 1024 CTAs would be two waves of 528: one pass
+    (256, 8192, 2, (8192, 1)),   # 264 resident: no split at all
+    (128, 32768, 4, (8192, 4)),  # 7 parts wanted, 4 fit in a wave
+    (100, 1000, 1, (1024, 1)),   # fewer resident slots than rows: one pass, never zero parts
+])
+def test_split_fills_at_most_one_wave(ctas, max_len, resident, expect):
+    assert tuning.split(ctas, max_len, 132, P, resident) == expect
+
+
 def test_split_never_below_min_partition():
     size, parts = tuning.split(1, 1 << 20, 132, {"ctas_per_sm": 4, "waves": 6, "min_partition": 1024})
     assert size >= 1024 and parts == -(-(1 << 20) // size)

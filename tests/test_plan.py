@@ -406,19 +406,23 @@ def _launch_under_test(monkeypatch):
     launch.__package__ = "hal.kernelpacks.cuda"
     spec.loader.exec_module(launch)
     monkeypatch.setattr(launch, "_device_facts", lambda index: (132, "sm_90"))
+    monkeypatch.setattr(launch, "_resident", lambda index, kind, head_size, two: 4)
     monkeypatch.setattr(launch, "_on", lambda device: (contextlib.nullcontext(), 77))
     monkeypatch.setattr(launch, "_device_index", lambda device: 0)
     monkeypatch.setattr(launch, "_launcher", lambda fn, index: (lambda a: fn(*a, 77)))
     return launch, seen
 
 
-def _same_launch(a: tuple, b: tuple, workspace: tuple[int, int]) -> None:
+def _same_launch(a: tuple, b: tuple, workspace: tuple[int, int], counters: int | None = None) -> None:
     """Two launches' arguments agree but for the workspace pointers (the plan's own, allocated once,
-    vs the one-shot call's); both have a workspace or neither."""
+    vs the one-shot call's); both have a workspace or neither. ``counters``: the decode launch's row
+    counters, which only the plan (``b``) brings, with a workspace (its merge is in the kernel)."""
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         if i in workspace:
             assert (x == 0) == (y == 0), f"argument {i}: workspace {x} vs {y}"
+        elif i == counters:
+            assert x == 0 and (y != 0) == (b[workspace[0]] != 0), f"argument {i}: counters {x} vs {y}"
         else:
             assert x == y, f"argument {i}: {x!r} vs {y!r}"
 
@@ -445,10 +449,36 @@ def test_cuda_plan_launches_equal_the_one_shot_launches(monkeypatch, scales, len
                 "v_scale": record.v_scale})
         (n1, one), (n2, plan_args) = seen
         assert n1 == n2 == "paged_attention" and plan_args[-1] == 77
-        _same_launch(one, plan_args, workspace=(11, 12))
+        _same_launch(one, plan_args, workspace=(11, 12), counters=13)
         assert (one[11] != 0) == (lens[0] == 3000)   # the long context is split
     ws = runner.keep[0]
     assert all(t.device.type == "cpu" for t in ws)  # allocated once, at prepare, held by the runner
+
+
+@pytest.mark.parametrize("merge", ["auto", "kernel", "reduce"])
+def test_cuda_decode_merge_choice(monkeypatch, merge):
+    """Which decode launches bring row counters (argument 13: the last CTA of a split row merges, no
+    reduce launch): a plan's under "auto", every split launch under "kernel", none under "reduce";
+    never a one-pass launch. Fresh counters are zeros."""
+    launch, seen = _launch_under_test(monkeypatch)
+    monkeypatch.setattr(launch, "DECODE_MERGE", merge)
+    for lens, split in (([3000, 17], True), ([40, 9, 0], False)):
+        case = make_case(seq_lens=lens, num_heads=16, num_kv_heads=2, head_size=128, garbage=False)
+        record = hal.ops.prepare("paged_attention", query=case.query, key_cache=case.key_cache,
+                                 value_cache=case.value_cache, block_tables=case.block_tables, seq_lens=case.seq_lens,
+                                 k_scale=case.k_scale, v_scale=case.v_scale, max_seq_len=max(lens))
+        seen.clear()
+        launch.paged_attention(record)
+        runner = launch.paged_attention.prepare(record)
+        runner({"query": case.query, "key_cache": case.key_cache, "value_cache": case.value_cache,
+                "out": torch.empty_like(case.query), "k_scale": record.k_scale, "v_scale": record.v_scale})
+        (_, one), (_, planned) = seen
+        assert (one[11] != 0) == (planned[11] != 0) == split
+        want = {"auto": (False, split), "kernel": (split, split), "reduce": (False, False)}[merge]
+        assert ((one[13] != 0), (planned[13] != 0)) == want
+        if split and merge != "reduce":
+            counters = runner.keep[0][2]
+            assert counters.dtype == torch.int32 and counters.shape == (2 * 2,) and not counters.any()
 
 
 @pytest.mark.parametrize("scales", ["float", "per_head"])
@@ -478,7 +508,7 @@ def test_cuda_multi_token_plan_launches_equal_the_one_shot_launches(monkeypatch,
     (_, pre1), (_, dec1), (_, pre2), (_, dec2) = seen
     assert pre1 == pre2 and pre1[3] == q.data_ptr() and pre1[4] == kc.data_ptr() and pre1[2] == out.data_ptr()
     assert pre1[32] == 120                                   # max_query_len sizes the grid
-    _same_launch(dec1, dec2, workspace=(11, 12))
+    _same_launch(dec1, dec2, workspace=(11, 12), counters=13)
     assert dec1[11] != 0 and dec1[-2] == case.query_start_loc.data_ptr()  # the long context is split
 
 

@@ -41,6 +41,13 @@ WGMMA_MIN_FILL = 0.5
 # (csrc/mla_sm90.cuh where it can run, an sm_90 GPU with sm_90a code in the module; elsewhere mla.cuh).
 # The tests and the bench set this.
 MLA_KERNEL = "auto"
+# Where a split context's partitions are merged: "auto" (in the decode kernel for a plan, whose row
+# counters are zeroed once when it is made and left zero by every launch; by the reduce kernel for a
+# one-shot call, which would otherwise need a zeroing launch of its own), "kernel" (the last CTA of a
+# row merges; a one-shot call zeroes fresh counters) or "reduce" (a second launch, reduce.cu). The
+# in-kernel merge saves a plan's run the reduce launch's host time (~5 us on the H200 host). The
+# tests and the bench set this.
+DECODE_MERGE = "auto"
 
 
 def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs: int, max_query_len: int) -> bool:
@@ -65,15 +72,24 @@ def _device_facts(index: int) -> tuple[int, str]:
     return props.multi_processor_count, f"sm_{props.major}{props.minor}"
 
 
+@functools.cache
+def _resident(index: int, kind: int, head_size: int, two_tiles: bool) -> int | None:
+    """Resident CTAs per SM of the decode kernel (the CUDA occupancy API, once per kernel and device)."""
+    with torch.cuda.device(index):
+        n = _C.decode_ctas_per_sm(kind, head_size, two_tiles, False)
+    return n if n > 0 else None
+
+
 def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device,
-         cache_dtype: torch.dtype, one_tile: bool = True) -> tuple[int, int, bool]:
+         cache_dtype: torch.dtype, one_tile: bool = True, head_size: int = 128) -> tuple[int, int, bool]:
     """(partition_size, num_parts, warp_rows) for a call, from this GPU's tuning entry (see
-    tuning.split and tuning.warp_rows). ``one_tile``: a CTA serves one 8-head MMA tile (warp rows
-    need it)."""
-    sms, arch = _device_facts(_device_index(device))
+    tuning.split and tuning.warp_rows) and the resident CTAs of the kernel it takes. ``one_tile``: a
+    CTA serves one 8-head MMA tile (warp rows need it; else two tiles share each K/V fragment)."""
+    index = _device_index(device)
+    sms, arch = _device_facts(index)
     params = tuning_for(arch, shape_class(cache_dtype, max_len))
     rows = num_seqs * num_kv_heads * head_tiles
-    size, parts = split(rows, max_len, sms, params)
+    size, parts = split(rows, max_len, sms, params, _resident(index, KINDS[cache_dtype], head_size, not one_tile))
     return size, parts, one_tile and parts == 1 and warp_rows(rows, sms, params)
 
 
@@ -109,10 +125,11 @@ def _row_strides(cache: torch.Tensor, name: str, align: int = 16) -> tuple[int, 
 
 
 def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                          alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc=None):
+                          alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc=None,
+                          planned=False):
     """``(arguments of _C.paged_attention but the stream, workspace tensors)`` of one decode launch,
-    or None for an empty batch. The one-shot call and a plan build their launches here. With
-    ``query_start_loc`` (a multi-token call) the kernel serves the sequences of one query row only."""
+    or None for an empty batch. The one-shot call and a plan (``planned``) build their launches here.
+    With ``query_start_loc`` (a multi-token call) the kernel serves the sequences of one query row only."""
     _, h, d = query.shape
     _, hkv, bs, _ = key_cache.shape
     n = seq_lens.shape[0]
@@ -121,14 +138,20 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
     dev = query.device
     head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
     max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
-    size, parts, wrows = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype, one_tile=head_tiles * 8 >= h // hkv)
+    size, parts, wrows = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype,
+                              one_tile=head_tiles * 8 >= h // hkv, head_size=d)
     if parts > 1:
         part_out = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
         part_ml = torch.empty((n, h, parts, 2), dtype=torch.float32, device=dev)
         workspace = (part_out, part_ml)
-        ws = (part_out.data_ptr(), part_ml.data_ptr())
+        ws = (part_out.data_ptr(), part_ml.data_ptr(), 0)
+        merge = DECODE_MERGE if DECODE_MERGE != "auto" else ("kernel" if planned else "reduce")
+        if merge == "kernel" and not wrows:
+            counters = torch.zeros(n * hkv * head_tiles, dtype=torch.int32, device=dev)
+            workspace += (counters,)
+            ws = (*ws[:2], counters.data_ptr())
     else:
-        workspace, ws = (), (0, 0)
+        workspace, ws = (), (0, 0, 0)
     ks, ksp, kss = _scale(k_scale)
     vs, vsp, vss = _scale(v_scale)
     elem = key_cache.element_size()
@@ -169,7 +192,7 @@ def _multi_token(call) -> bool:
     return call.query_start_loc is not None and call.max_query_len > 1
 
 
-def _attention_launches(call, out, query) -> tuple[list, tuple]:
+def _attention_launches(call, out, query, planned: bool = False) -> tuple[list, tuple]:
     """``([(launcher, args, slots)], workspace)`` of a validated call with these query/output tensors:
     decode alone, or for a multi-token call the prefill kernel (sequences of 2+ rows) and the decode
     kernel with its split-K (sequences of one row), in that order on one stream."""
@@ -181,7 +204,7 @@ def _attention_launches(call, out, query) -> tuple[list, tuple]:
             call.causal, call.max_query_len), _PREFILL_SLOTS))
     built = _paged_attention_args(out, query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens,
                                   call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap,
-                                  call.sliding_window, call.max_seq_len, call.query_start_loc)
+                                  call.sliding_window, call.max_seq_len, call.query_start_loc, planned)
     if built is not None:
         args, workspace = built
         launches.append((_C.paged_attention, args, _PAGED_ATTENTION_SLOTS))
@@ -321,7 +344,7 @@ def cache_mla(call) -> None:
 # Where each per-layer field of the call record goes in a launch's argument list: tensors as data
 # pointers; scales as (pointer slot, value slot): a tensor scale fills the first, a float the second.
 _PAGED_ATTENTION_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5},
-                          {"k_scale": (9, 21), "v_scale": (10, 22)})
+                          {"k_scale": (9, 22), "v_scale": (10, 23)})
 _PREFILL_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (10, 20), "v_scale": (11, 21)})
 _CACHE_KV_SLOTS = ({"key": 2, "value": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (7, 15), "v_scale": (8, 16)})
 _MLA_DECODE_SLOTS = ({"out": 2, "q_nope": 3, "q_pe": 4, "ckv_cache": 5, "kpe_cache": 6},
@@ -384,7 +407,7 @@ def _prepare_paged_attention(call):
     call) takes the default runner instead (None)."""
     if _multi_token(call) and not (_aligned_rows(call.query) and _aligned_rows(call.out)):
         return None
-    launches, workspace = _attention_launches(call, call.out, call.query)
+    launches, workspace = _attention_launches(call, call.out, call.query, planned=True)
     if not launches:
         return lambda fields: None
     return _prepared_many(launches, call, call.query.device,

@@ -48,10 +48,13 @@ def set_override(params: dict | None) -> None:
     _override = None if params is None else dict(params)
 
 
-def split(ctas: int, max_len: int, sms: int, params: dict) -> tuple[int, int]:
+def split(ctas: int, max_len: int, sms: int, params: dict, resident: int | None = None) -> tuple[int, int]:
     """(partition_size, num_parts): one pass when the ``ctas`` of one pass (sequences x KV heads x
     head tiles) reach the target ``sms * ctas_per_sm * waves``; else the context is cut into
-    partitions (multiples of 64 tokens, never below ``min_partition``) until about that many exist."""
+    partitions (multiples of 64 tokens, never below ``min_partition``) until about that many exist,
+    but never into more CTAs than one wave of the kernel holds (``resident`` CTAs per SM, when known):
+    a split that spills into a second wave was slower on every shape measured (H200, 2026-12-04,
+    tools/split_sweep.py: 1x131072 bf16 0.73 -> 0.87 of copy, GQA 16 bf16 0.77 -> 0.93; docs/cuda.md)."""
     max_len = max(max_len, 1)
     base = max(1, ctas)
     target = int(sms * params["ctas_per_sm"] * params["waves"])
@@ -59,6 +62,8 @@ def split(ctas: int, max_len: int, sms: int, params: dict) -> tuple[int, int]:
     if base >= target or whole <= params["min_partition"]:
         return whole, 1
     parts = min(-(-target // base), -(-max_len // params["min_partition"]))
+    if resident:
+        parts = max(1, min(parts, sms * resident // base))
     size = -(-(-(-max_len // parts)) // 64) * 64
     return size, -(-max_len // size)
 

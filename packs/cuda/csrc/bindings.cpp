@@ -43,12 +43,23 @@ PYBIND11_MODULE(_C, m) {
 #undef HAL_ITEM
     return l;
   });
+  // resident CTAs per SM of the decode kernel for (cache kind, head size, two head tiles, warp rows) on
+  // the current device; -1 where the head size is not compiled or the query failed
+  m.def("decode_ctas_per_sm", [](int kind, int head_size, bool two, bool rows) {
+    switch (kind) {
+      case 0: return decode_ctas_per_sm_f16(head_size, two, rows);
+      case 1: return decode_ctas_per_sm_bf16(head_size, two, rows);
+      case 2: return decode_ctas_per_sm_e4m3(head_size, two, rows);
+      case 3: return decode_ctas_per_sm_e5m2(head_size, two, rows);
+      default: return -1;
+    }
+  });
   // kind: 0 fp16, 1 bf16, 2 e4m3fn, 3 e5m2 cache
   m.def("paged_attention",
         [](int kind, int head_size, std::uintptr_t out, std::uintptr_t query, std::uintptr_t key_cache,
            std::uintptr_t value_cache, std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t alibi,
            std::uintptr_t k_scale_ptr, std::uintptr_t v_scale_ptr, std::uintptr_t part_out, std::uintptr_t part_ml,
-           int64_t q_stride0, int64_t q_stride1, int64_t out_stride0, int64_t out_stride1, int64_t k_stride0,
+           std::uintptr_t counters, int64_t q_stride0, int64_t q_stride1, int64_t out_stride0, int64_t out_stride1, int64_t k_stride0,
            int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale, float soft_cap,
            int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads, int head_tiles,
            int block_size, int partition_size, int num_parts, int window, int q_is_bf16, int warp_rows,
@@ -67,6 +78,7 @@ PYBIND11_MODULE(_C, m) {
           p.v_scale_ptr = ptr<const float>(v_scale_ptr);
           p.part_out = ptr<float>(part_out);
           p.part_ml = ptr<float>(part_ml);
+          p.counters = ptr<int>(counters);
           p.q_stride0 = q_stride0; p.q_stride1 = q_stride1; p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
           p.k_stride0 = k_stride0; p.v_stride0 = v_stride0; p.bt_stride0 = bt_stride0;
           p.k_head_stride = k_head_stride; p.k_row = k_row; p.v_head_stride = v_head_stride; p.v_row = v_row;
@@ -95,7 +107,8 @@ PYBIND11_MODULE(_C, m) {
               case 3: err = launch_decode_e5m2(head_size, p, s); break;
               default: err = (int)cudaErrorInvalidValue;
             }
-            if (err == 0 && num_parts > 1) err = launch_reduce(head_size, p, s);
+            // the merge: in the kernel where the call brought counters (not with warp rows), else a second launch
+            if (err == 0 && num_parts > 1 && (!p.counters || warp_rows)) err = launch_reduce(head_size, p, s);
           }
           check(err, "paged_attention");
         });

@@ -17,6 +17,7 @@
 #pragma once
 #include "common.cuh"
 #include "layout.cuh"
+#include "merge.cuh"
 #include "params.h"
 
 namespace hal_cuda {
@@ -80,7 +81,9 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   const int first = p.window > 0 ? max(0, L - p.window) : 0;
   const int p0 = part * p.partition_size;
   const bool split = p.num_parts > 1;
-  const bool skip = split && (p0 >= L || p0 + p.partition_size <= first);  // the reduce skips it too
+  // Partitions wholly outside [first, L) have nothing to merge (the reduce skips them too); an empty
+  // sequence keeps partition 0, so that a merge in the kernel still writes its zeros.
+  const bool skip = split && (p0 >= max(L, 1) || p0 + p.partition_size <= first);
   if (!wrows && skip) return;  // CTA-uniform here
   live = live && !skip;
 
@@ -493,6 +496,15 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
       p.part_out[slot * D + d] = val;
       if (d == 0) { p.part_ml[2 * slot] = M; p.part_ml[2 * slot + 1] = Lsum; }
     }
+  }
+  // ---- a split row with counters: the last of its partitions to finish merges them (no second launch) ----
+  if (split && p.counters) {
+    const int pa = first / p.partition_size;
+    const int pb = max((L + p.partition_size - 1) / p.partition_size, pa + 1);
+    if (last_to_arrive(p.counters + (int64_t)seq * p.num_kv_heads * p.head_tiles + y, pb - pa))
+      merge_partitions<D>(p.part_out, p.part_ml, ((int64_t)seq * p.num_heads + head0) * p.num_parts, p.num_parts,
+                          rows, pa, pb, vs, p.out, (int64_t)qrow * p.out_stride0 + (int64_t)head0 * p.out_stride1,
+                          p.out_stride1, p.q_is_bf16, &sm_m[0][0]);
   }
 }
 

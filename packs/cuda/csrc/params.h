@@ -19,6 +19,9 @@ struct DecodeParams {
   const float* v_scale_ptr;
   float* part_out;              // [num_seqs, num_heads, num_parts, D] fp32 (split only)
   float* part_ml;               // [num_seqs, num_heads, num_parts, 2] (max in log2 units, sum)
+  // [num_seqs * num_kv_heads * head_tiles] int32, zero before the launch and left zero after it, or
+  // null. Set: the last CTA of a split row merges its partitions (no reduce launch; not with warp rows).
+  int* counters;
   int64_t q_stride0, q_stride1, out_stride0, out_stride1;
   int64_t k_stride0, v_stride0;  // bytes between blocks
   int64_t k_head_stride, k_row, v_head_stride, v_row;  // bytes between KV heads / token rows (NHD views too)
