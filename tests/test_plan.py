@@ -766,6 +766,24 @@ def test_gpu_run_equals_the_one_shot_call(cache, per_head):
 
 
 @gpu
+def test_gpu_run_refuses_tensors_off_the_planned_gpu():
+    """A GPU plan compares device indices (cheaper than devices): a CPU or meta tensor is never taken
+    for the planned GPU's."""
+    case, layers = _gpu_layers(n=1)
+    q, kc, vc, ks, vs = layers[0]
+    p = hal.plan("paged_attention", q, kc, vc, case.block_tables, case.seq_lens, k_scale=ks, v_scale=vs,
+                 max_seq_len=3000)
+    for where, moved in (("cpu", q.cpu()), ("meta", q.to("meta"))):
+        with pytest.raises(hal.ArgumentError, match=rf"query must be laid out like the planned one \(bfloat16 "
+                                                    rf"\[4, 32, 128\] .* on GPU \d.*got .* on {where}"):
+            p.run(moved, kc, vc, k_scale=ks, v_scale=vs)
+    with pytest.raises(hal.ArgumentError, match=r"k_scale must be laid out like the planned one \(float32 \[\] .* on "
+                                                r"GPU \d\).*got float32 \[\] .* on cpu"):
+        p.run(q, kc, vc, k_scale=ks.cpu(), v_scale=vs)
+    assert same_bits(p.run(q, kc, vc, k_scale=ks, v_scale=vs), p.run(q, kc, vc, k_scale=ks, v_scale=vs))
+
+
+@gpu
 def test_gpu_mla_run_equals_the_one_shot_call():
     case = make_mla([900, 70, 3], [2, 1, 1], heads=16, combined=True, ckv_dtype=torch.float8_e4m3fn,
                     kpe_dtype=torch.float8_e4m3fn, seed=4)

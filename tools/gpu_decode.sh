@@ -4,8 +4,8 @@
 # FlashInfer. Run from the repo root on the device machine, with the module (built here for Python
 # 3.12 and xz'd to build/C312.so.xz, or packs/cuda/_C*.so) and `.whl` (FlashInfer's trimmed copy
 # fi_trim.tar.xz and tvm-ffi, from ../shared/tools/flashinfer/prep_flashinfer_carry.sh) carried along.
-#   STEPS="tests bench" (default), also "sanitizer", "sweep" (tools/split_sweep.py; SWEEP="--parts ...")
-#   and "host" (tools/host_time)
+#   STEPS="tests bench" (default), also "all-cuda" (every cuda test), "sanitizer", "sweep" (tools/split_sweep.py; SWEEP="--parts ...")
+#   and "host" (tools/host_time, tools/host_breakdown.py)
 #   BENCH="decode-gaps", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below)
 set -o pipefail
 OUT=${OUT:-results}
@@ -23,6 +23,9 @@ for step in $STEPS; do
   case $step in
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_cuda_split.py tests/test_cuda_pack.py \
              tests/test_plan.py -m "cuda and not slow" 2>&1 | tail -30 | tee "$OUT/pytest.log" ;;
+    all-cuda)  # every cuda-marked test of the suite (the MLA and multi-token grids too)
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -n 12 tests -m "cuda and not slow" 2>&1 | tail -30 \
+        | tee "$OUT/pytest_all.log" ;;
     sanitizer)  # the in-kernel merge's handshake and the reduce launch, FP8 and bf16
       for tool in memcheck racecheck synccheck; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
@@ -31,7 +34,8 @@ for step in $STEPS; do
       done ;;
     sweep) timeout 400 python3 tools/split_sweep.py ${SWEEP:-} 2>&1 | tee "$OUT/sweep.txt" | tail -80 ;;
     host) timeout 300 python3 tools/host_time --device cuda --json "$OUT/host_time.json" 2>&1 | tail -30 \
-            | tee "$OUT/host_time.txt" ;;
+            | tee "$OUT/host_time.txt"
+          timeout 120 python3 tools/host_breakdown.py 2>&1 | tee "$OUT/host_breakdown.txt" ;;
     bench) timeout 480 python3 tools/bench --shapes ${BENCH:-decode-gaps} --kv-dtype ${KV:-bf16,e4m3fn} \
              --contenders ${CONTENDERS:-hal hal-plan flashinfer-tc} --budget ${BUDGET:-1} \
              --json "$OUT/bench-decode.json" 2>"$OUT/bench-progress.log" | tee "$OUT/bench-decode.txt" | tail -40

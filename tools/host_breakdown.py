@@ -46,16 +46,32 @@ def main(specs: list[str]) -> None:
             p = data.build(shapes.parse(spec), kv, "cuda")
             out = torch.empty_like(p.query)
             ks, vs = p.k_scale, p.v_scale
-            plan = hal.plan("paged_attention", p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens,
-                            out=out, scale=p.scale, k_scale=ks, v_scale=vs, max_seq_len=p.max_seq_len, pack="cuda")
+            captured, module = [], launch._C
+
+            class Spy:  # the plan's runner keeps the launcher it was made with: spy from the start
+                def __getattr__(self, name):
+                    return getattr(module, name)
+
+                def paged_attention(self, *a):
+                    captured.append(a)
+                    return module.paged_attention(*a)
+
+            def make():
+                return hal.plan("paged_attention", p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens,
+                                out=out, scale=p.scale, k_scale=ks, v_scale=vs, max_seq_len=p.max_seq_len,
+                                pack="cuda")
+
             fields = {"query": p.query, "key_cache": p.key_cache, "value_cache": p.value_cache, "out": out,
                       "k_scale": 1.0 if ks is None else ks, "v_scale": 1.0 if vs is None else vs}
-            captured, real = [], launch._C.paged_attention
-            launch._C.paged_attention = lambda *a: (captured.append(a), real(*a))[1]
+            launch._C = Spy()
             try:
-                plan._runner(fields)
+                spied = make()  # kept alive: its workspace is in the captured arguments
+                spied._runner(fields)
             finally:
-                launch._C.paged_attention = real
+                launch._C = module
+            plan = make()
+            real = module.paged_attention
+            assert spied is not plan
             args = list(captured[-1])
             empty = list(args)
             empty[NUM_SEQS] = 0
