@@ -8,20 +8,23 @@ steps, the GPU idle), for one decode problem per cache dtype:
   binding, empty the same list with num_seqs = 0 (the binding returns before launching: pybind11 alone)
   torch zero_    out.zero_(), one torch kernel launch, for scale
 
-Usage: python3 tools/host_breakdown.py [SHAPE ...]   (default 64x1024x32x8x128)
+Usage: python3 tools/host_breakdown.py [SHAPE ...]   (default 64x1024x32x8x128; needs an NVIDIA GPU)
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hal
-from hal.bench import data, shapes
-from hal.kernelpacks.cuda import launch
+import torch  # noqa: E402
+
+import hal  # noqa: E402
+from hal.bench import data, shapes  # noqa: E402
 
 NUM_SEQS = 27  # index of num_seqs in _C.paged_attention's argument list (launch.py)
 
@@ -41,6 +44,7 @@ def per_call(fn, layers=30, reps=30) -> float:
 
 @torch.no_grad()
 def main(specs: list[str]) -> None:
+    from hal.kernelpacks.cuda import launch
     for spec in specs or ["64x1024x32x8x128"]:
         for kv in (torch.bfloat16, torch.float8_e4m3fn):
             p = data.build(shapes.parse(spec), kv, "cuda")
@@ -88,4 +92,7 @@ def main(specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shapes", nargs="*", metavar="SHAPE", help="decode shapes (hal-bench specs)")
+    main(ap.parse_args().shapes)

@@ -11,12 +11,15 @@ bandwidth measured first. Outputs are compared with the first variant's (a split
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hal
-from hal.bench import data, shapes, timing
-from hal.kernelpacks.cuda import launch
+import torch  # noqa: E402
+
+import hal  # noqa: E402
+from hal.bench import data, shapes, timing  # noqa: E402
 
 
 def main() -> None:
@@ -28,6 +31,7 @@ def main() -> None:
     ap.add_argument("--fp8-tiles", default="8")
     ap.add_argument("--budget", type=float, default=0.2)
     a = ap.parse_args()
+    from hal.kernelpacks.cuda import launch
     dev = torch.device("cuda")
     copy = timing.copy_bandwidth(dev)
     print(f"copy {copy.gbps:.0f} GB/s")
