@@ -2,7 +2,8 @@
 (reduce.cu) or in the decode kernel, by the last CTA of a row to finish (decode.cuh with merge.cuh; a
 plan's default). Both run the same merge code, so their outputs must be equal bit for bit; each is
 also checked against the float64 reference (tolerance: tests/test_cuda_pack.py's, relative L2 <=
-5e-3). The resident-CTA count the split is sized by comes from the CUDA occupancy API.
+5e-3). The resident-CTA count the split is sized by comes from the CUDA occupancy API. MLA decode
+(mla.cuh, mla_reduce.cu) merges the same two ways; its sm_90a kernel always by the reduce launch.
 """
 
 from __future__ import annotations
@@ -155,3 +156,76 @@ def test_resident_ctas_per_sm_of_every_decode_kernel():
         assert _C.decode_ctas_per_sm(kind, 72, False, False) == -1  # not compiled
     # 128 registers a thread for 4 CTAs of 128 threads (decode.cuh's LoopConfig): one FP8 tile at head 128
     assert _C.decode_ctas_per_sm(2, 128, False, False) == 4
+
+
+# ---------------------------------------------------------------- MLA decode (mla.cuh, mla_reduce.cu)
+
+# (seq_lens, q_lens or None, heads, block_size): 16-, 32- and 64-row tiles of the mma.sync kernel, row
+# padding (20 heads x 2 tokens: 40 of 64 rows), empty sequences, contexts cut into up to ~40 partitions
+MLA_MERGE_CASES = {
+    "16-heads": ([5000, 1, 0, 2049], None, 16, 16),
+    "32-rows-speculative": ([3000, 700, 9], [2, 1, 2], 16, 64),
+    "64-rows-speculative-padding": ([2600, 1, 900], [2, 1, 2], 20, 32),
+    "128-heads": ([4000, 3], None, 128, 64),
+    "empty-sequences": ([0, 3000, 0], [0, 3, 0], 16, 16),
+}
+
+
+def _mla(case, merge, kernel, monkeypatch):
+    from test_cuda_mla import _call
+
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "DECODE_MERGE", merge)
+    monkeypatch.setattr(launch, "MLA_KERNEL", kernel)
+    return _call(case, "cuda", multi=True)
+
+
+@gpu
+@pytest.mark.parametrize("name", MLA_MERGE_CASES)
+@pytest.mark.parametrize("cache", (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16), ids=str)
+def test_mla_in_kernel_merge_equals_the_reduce_launch(cache, name, monkeypatch):
+    from test_cuda_mla import _ref
+    from test_emu_mla import make_mla
+    lens, q_lens, heads, bs = MLA_MERGE_CASES[name]
+    q = _query_for(cache)
+    case = make_mla(lens, q_lens, heads=heads, ckv_dtype=cache, kpe_dtype=q, query_dtype=q, block_size=bs,
+                    seed=len(name))
+    by_reduce = _mla(case, "reduce", "mma", monkeypatch)
+    in_kernel = _mla(case, "kernel", "mma", monkeypatch)
+    ok, msg = gpu_tolerance_ok(in_kernel, _ref(case))
+    assert ok, msg
+    assert torch.equal(in_kernel, by_reduce)
+    assert torch.equal(_mla(case, "kernel", "mma", monkeypatch), in_kernel)  # counters left zero
+    if heads * max(q_lens or [1]) > 32:  # 64-row tiles: the sm_90a kernel merges by the reduce launch
+        wg = _mla(case, "kernel", "wgmma", monkeypatch)
+        ok, msg = gpu_tolerance_ok(wg, _ref(case))
+        assert ok, msg
+
+
+@gpu
+@pytest.mark.parametrize("kernel", ("mma", "wgmma"))
+def test_mla_plan_runs_and_graph_replays_equal_the_one_shot_call(kernel, monkeypatch):
+    from test_cuda_mla import _to
+    from test_emu_mla import make_mla
+
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", kernel)
+    c = _to(make_mla([6000, 41, 1000], [2, 1, 2], heads=32, block_size=64, seed=11))
+    args = (c["q_nope"], c["q_pe"], c["ckv_cache"], c["kpe_cache"], c["block_tables"], c["seq_lens"])
+    kw = {"scale": c["scale"], "ckv_scale": c["ckv_scale"], "kpe_scale": c["kpe_scale"], "max_seq_len": 6000,
+          "query_start_loc": c["query_start_loc"], "max_query_len": 2}
+    one_shot = hal.mla_decode(*args, **kw)
+    plan = hal.plan("mla_decode", *args, pack="cuda", **kw)
+    out = torch.empty_like(one_shot)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        plan.run(*args[:4], ckv_scale=c["ckv_scale"], kpe_scale=c["kpe_scale"], out=out)
+        assert torch.equal(out, one_shot)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*args[:4], ckv_scale=c["ckv_scale"], kpe_scale=c["kpe_scale"], out=out)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, one_shot)

@@ -615,8 +615,8 @@ def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     runner({"q_nope": qn, "q_pe": qp, "ckv_cache": ckv, "kpe_cache": kpe, "out": out, "ckv_scale": record.ckv_scale,
             "kpe_scale": 0.25})
     (_, one), (_, plan_args) = seen
-    _same_launch(one, plan_args, workspace=(12, 13))
-    assert plan_args[10] == record.ckv_scale.data_ptr() and plan_args[27] == 0.25
+    _same_launch(one, plan_args, workspace=(12, 13), counters=14)  # split in 2: the plan merges in the kernel
+    assert plan_args[10] == record.ckv_scale.data_ptr() and plan_args[28] == 0.25
     # cache_kv: every argument but the stream
     k = torch.randn(5, 2, 64)
     kc = torch.zeros(4, 2, 8, 64, dtype=torch.float8_e4m3fn)

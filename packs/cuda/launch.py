@@ -41,10 +41,11 @@ WGMMA_MIN_FILL = 0.5
 # (csrc/mla_sm90.cuh where it can run, an sm_90 GPU with sm_90a code in the module; elsewhere mla.cuh).
 # The tests and the bench set this.
 MLA_KERNEL = "auto"
-# Where a split context's partitions are merged: "auto" (in the decode kernel for a plan, whose row
-# counters are zeroed once when it is made and left zero by every launch; by the reduce kernel for a
-# one-shot call, which would otherwise need a zeroing launch of its own), "kernel" (the last CTA of a
-# row merges; a one-shot call zeroes fresh counters) or "reduce" (a second launch, reduce.cu). The
+# Where a split context's partitions are merged, in decode and MLA decode: "auto" (in the kernel for
+# a plan, whose row counters are zeroed once when it is made and left zero by every launch; by the
+# reduce kernel for a one-shot call, which would otherwise need a zeroing launch of its own),
+# "kernel" (the last CTA of a row merges; a one-shot call zeroes fresh counters) or "reduce" (a
+# second launch: reduce.cu, mla_reduce.cu). The sm_90a MLA kernel always takes the reduce launch. The
 # in-kernel merge saves a plan's run the reduce launch's host time (~5 us on the H200 host). The
 # tests and the bench set this.
 DECODE_MERGE = "auto"
@@ -277,7 +278,7 @@ def _cache_strides(c: torch.Tensor, name: str) -> tuple[int, int]:
 MLA_ROW_GROUPS = ((16, 1), (32, 2))  # rows a sequence -> MMA row groups a CTA (else 4: 64 rows)
 
 
-def _mla_decode_args(call, q_nope, q_pe, out):
+def _mla_decode_args(call, q_nope, q_pe, out, planned=False):
     """``(arguments of _C.mla_decode but the stream, workspace tensors)`` for the record ``call``
     with these (16-byte aligned) query and output tensors, or None when there is nothing to run."""
     total_q, h, r = call.q_nope.shape
@@ -290,13 +291,19 @@ def _mla_decode_args(call, q_nope, q_pe, out):
     row_tiles = -(-rows // (16 * groups))
     sms, _ = _device_facts(_device_index(dev))
     size, parts = mla_split(n * row_tiles, call.max_seq_len, sms)
+    wgmma = groups == 4 and _mla_wgmma(dev)
     if parts > 1:
         part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
         part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
         workspace = (part_out, part_ml)
-        ws = (part_out.data_ptr(), part_ml.data_ptr())
+        ws = (part_out.data_ptr(), part_ml.data_ptr(), 0)
+        merge = DECODE_MERGE if DECODE_MERGE != "auto" else ("kernel" if planned else "reduce")
+        if merge == "kernel" and not wgmma:  # the sm_90a kernel always merges by the reduce launch
+            counters = torch.zeros(n * row_tiles, dtype=torch.int32, device=dev)
+            workspace += (counters,)
+            ws = (*ws[:2], counters.data_ptr())
     else:
-        workspace, ws = (), (0, 0)
+        workspace, ws = (), (0, 0, 0)
     cbs, cts = _cache_strides(call.ckv_cache, "ckv_cache")
     pbs, pts = _cache_strides(call.kpe_cache, "kpe_cache")
     cs, csp, _ = _scale(call.ckv_scale)
@@ -308,7 +315,7 @@ def _mla_decode_args(call, q_nope, q_pe, out):
         call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, q_nope.stride(0),
         q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts,
         call.block_tables.stride(0), call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts,
-        row_tiles, int(q_nope.dtype == torch.bfloat16), int(groups == 4 and _mla_wgmma(dev))]
+        row_tiles, int(q_nope.dtype == torch.bfloat16), int(wgmma)]
     return args, workspace
 
 
@@ -348,7 +355,7 @@ _PAGED_ATTENTION_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 
 _PREFILL_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (10, 20), "v_scale": (11, 21)})
 _CACHE_KV_SLOTS = ({"key": 2, "value": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (7, 15), "v_scale": (8, 16)})
 _MLA_DECODE_SLOTS = ({"out": 2, "q_nope": 3, "q_pe": 4, "ckv_cache": 5, "kpe_cache": 6},
-                     {"ckv_scale": (10, 26), "kpe_scale": (11, 27)})
+                     {"ckv_scale": (10, 27), "kpe_scale": (11, 28)})
 
 
 def _device_index(device: torch.device) -> int:
@@ -425,7 +432,7 @@ def _prepare_mla_decode(call):
     (copied by the one-shot call) takes the default runner instead (None)."""
     if not all(_aligned_rows(t) for t in (call.q_nope, call.q_pe, call.out)):
         return None
-    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out)
+    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out, planned=True)
     if built is None:
         return lambda fields: None
     args, workspace = built

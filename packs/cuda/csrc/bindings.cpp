@@ -187,7 +187,7 @@ PYBIND11_MODULE(_C, m) {
         [](int kind, int row_groups, std::uintptr_t out, std::uintptr_t q_nope, std::uintptr_t q_pe, std::uintptr_t ckv,
            std::uintptr_t kpe, std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
            std::uintptr_t ckv_scale_ptr, std::uintptr_t kpe_scale_ptr, std::uintptr_t part_out, std::uintptr_t part_ml,
-           int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1, int64_t out_stride0,
+           std::uintptr_t counters, int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1, int64_t out_stride0,
            int64_t out_stride1, int64_t ckv_block_stride, int64_t ckv_token_stride, int64_t kpe_block_stride,
            int64_t kpe_token_stride, int64_t bt_stride0, float scale, float ckv_scale, float kpe_scale, int num_seqs,
            int num_heads, int total_q, int block_size, int partition_size, int num_parts, int row_tiles, int q_is_bf16,
@@ -199,6 +199,9 @@ PYBIND11_MODULE(_C, m) {
           p.query_start_loc = ptr<const int>(query_start_loc);
           p.ckv_scale_ptr = ptr<const float>(ckv_scale_ptr); p.kpe_scale_ptr = ptr<const float>(kpe_scale_ptr);
           p.part_out = ptr<float>(part_out); p.part_ml = ptr<float>(part_ml);
+          // the merge: in mla.cuh where the call brought counters; the sm_90a kernel leaves it to the reduce launch
+          const bool wg = row_groups == 4 && wgmma && sm90a_kernels_run();
+          p.counters = wg ? nullptr : ptr<int>(counters);
           p.qn_stride0 = qn_stride0; p.qn_stride1 = qn_stride1; p.qp_stride0 = qp_stride0; p.qp_stride1 = qp_stride1;
           p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
           p.ckv_block_stride = ckv_block_stride; p.ckv_token_stride = ckv_token_stride;
@@ -221,7 +224,7 @@ PYBIND11_MODULE(_C, m) {
               case 3: err = launch_mla_e5m2(row_groups, p, s); break;
               default: err = (int)cudaErrorInvalidValue;
             }
-            if (err == 0 && num_parts > 1) err = launch_mla_reduce(p, s);
+            if (err == 0 && num_parts > 1 && !p.counters) err = launch_mla_reduce(p, s);
           }
           check(err, "mla_decode");
         });

@@ -501,10 +501,12 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
   if (split && p.counters) {
     const int pa = first / p.partition_size;
     const int pb = max((L + p.partition_size - 1) / p.partition_size, pa + 1);
-    if (last_to_arrive(p.counters + (int64_t)seq * p.num_kv_heads * p.head_tiles + y, pb - pa))
+    if (last_to_arrive(p.counters + (int64_t)seq * p.num_kv_heads * p.head_tiles + y, pb - pa)) {
+      const MergeOut dst{p.out, (int64_t)qrow * p.out_stride0, p.out_stride0, p.out_stride1, head0, p.num_heads,
+                         p.q_is_bf16 != 0};
       merge_partitions<D>(p.part_out, p.part_ml, ((int64_t)seq * p.num_heads + head0) * p.num_parts, p.num_parts,
-                          rows, pa, pb, vs, p.out, (int64_t)qrow * p.out_stride0 + (int64_t)head0 * p.out_stride1,
-                          p.out_stride1, p.q_is_bf16, &sm_m[0][0]);
+                          rows, pa, pb, vs, dst, &sm_m[0][0]);
+    }
   }
 }
 

@@ -1,5 +1,6 @@
-// Merging the partitions of a split context by log-sum-exp, for the decode kernels: the reduce
-// kernel (reduce.cu, a second launch) and the last CTA of a row to finish (decode.cuh, in-kernel).
+// Merging the partitions of a split context by log-sum-exp, for decode and MLA decode: the reduce
+// kernels (reduce.cu, mla_reduce.cu: a second launch) and the last CTA of a row to finish
+// (decode.cuh, mla.cuh: in the kernel).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -8,15 +9,27 @@
 
 namespace hal_cuda {
 
-// Partitions [pa, pb) of `rows` consecutive heads, whose partial results sit at `slot0` (the first
-// head's partition 0) of part_out [.., num_parts, D] / part_ml [.., num_parts, 2] (max in log2
-// units, sum): out = vs * sum_q w_q O_q / sum_q w_q with w_q = l_q 2^(m_q - max m). Called by every
-// thread of the CTA (it synchronises). Partials are read through L2 (ld.cg): other CTAs wrote them,
-// and L1 is not coherent. `scratch` holds 2 * rows floats of shared memory.
+// Where merged rows go: row r of a merge is (query row, head) pair first + r of a sequence whose
+// query rows each hold `heads` heads (heads fastest), its first query row at element `base` of out.
+struct MergeOut {
+  void* out;
+  int64_t base, row_stride, head_stride;  // elements
+  int first, heads;
+  bool bf16;
+  __device__ int64_t offset(int r) const {
+    const int x = first + r;
+    return base + (int64_t)(x / heads) * row_stride + (int64_t)(x % heads) * head_stride;
+  }
+};
+
+// Partitions [pa, pb) of `rows` rows whose partial results sit at `slot0` (the first row's partition
+// 0; rows num_parts slots apart) of part_out [.., num_parts, D] / part_ml [.., num_parts, 2] (max in
+// log2 units, sum): out = vs * sum_q w_q O_q / sum_q w_q with w_q = l_q 2^(m_q - max m). Called by
+// every thread of the CTA (it synchronises). Partials are read through L2 (ld.cg): other CTAs wrote
+// them, and L1 is not coherent. `scratch` holds 2 * rows floats of shared memory.
 template <int D>
 __device__ void merge_partitions(const float* part_out, const float* part_ml, int64_t slot0, int num_parts, int rows,
-                                 int pa, int pb, float vs, void* out, int64_t out_row, int64_t out_head_stride,
-                                 bool bf16, float* scratch) {
+                                 int pa, int pb, float vs, const MergeOut& dst, float* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float* sM = scratch;
   float* sW = scratch + rows;
@@ -54,11 +67,11 @@ __device__ void merge_partitions(const float* part_out, const float* part_ml, in
     // 0 only for an empty sequence; NaN stays NaN
     const float s = wsum == 0.f ? 0.f : vs / wsum;
     const float y[4] = {acc.x * s, acc.y * s, acc.z * s, acc.w * s};
-    const int64_t off = out_row + r * out_head_stride + 4 * c;
+    const int64_t off = dst.offset(r) + 4 * c;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (bf16) reinterpret_cast<__nv_bfloat16*>(out)[off + i] = __float2bfloat16_rn(wsum == 0.f ? 0.f : y[i]);
-      else reinterpret_cast<__half*>(out)[off + i] = __float2half_rn(wsum == 0.f ? 0.f : y[i]);
+      if (dst.bf16) reinterpret_cast<__nv_bfloat16*>(dst.out)[off + i] = __float2bfloat16_rn(wsum == 0.f ? 0.f : y[i]);
+      else reinterpret_cast<__half*>(dst.out)[off + i] = __float2half_rn(wsum == 0.f ? 0.f : y[i]);
     }
   }
 }

@@ -21,6 +21,7 @@
 //   never read from the cache (unused slots may hold any bytes).
 #pragma once
 #include "common.cuh"
+#include "merge.cuh"
 #include "params.h"
 #include <type_traits>
 
@@ -101,6 +102,18 @@ __device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 v, float s2k) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// A split row tile with counters: the last of its partitions to finish merges them (no reduce
+// launch). Called by every thread of the CTA once its partials are written.
+template <int M>
+__device__ void merge_if_last(const MLAParams& p, int seq, int q0, int rows, int r0, float* scratch) {
+  if (!last_to_arrive(p.counters + (int64_t)seq * p.row_tiles + blockIdx.y, p.num_parts)) return;
+  const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
+  const MergeOut dst{p.out, (int64_t)q0 * p.out_stride0, p.out_stride0, p.out_stride1, r0, p.num_heads,
+                     p.q_is_bf16 != 0};
+  merge_partitions<kR>(p.part_out, p.part_ml, ((int64_t)q0 * p.num_heads + r0) * p.num_parts, p.num_parts,
+                       min(M, rows - r0), 0, p.num_parts, cs, dst, scratch);
+}
+
 template <Kind K, bool kQBf16, int MW>
 __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   using T = Tile<MW>;
@@ -147,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
           p.part_ml[2 * slot] = -INFINITY;
           p.part_ml[2 * slot + 1] = 0.f;
         }
+    if (p.counters) merge_if_last<T::M>(p, seq, q0, rows, r0, sred);
     return;
   }
   const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
@@ -436,6 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
       if (cg == 0 && t == 0) p.part_ml[2 * slot] = m2[e], p.part_ml[2 * slot + 1] = lsum[e];
     }
   }
+  if (split && p.counters) merge_if_last<T::M>(p, seq, q0, rows, r0, sred);
 }
 
 }  // namespace mla

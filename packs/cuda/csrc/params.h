@@ -93,6 +93,10 @@ struct MLAParams {
   const float* kpe_scale_ptr;
   float* part_out;              // [total_q, num_heads, num_parts, 512] fp32 (split only)
   float* part_ml;               // [total_q, num_heads, num_parts, 2] (max in log2 units, sum)
+  // [num_seqs * row_tiles] int32, zero before the launch and left zero after it, or null. Set: the
+  // last CTA of a split row tile merges its partitions (mla.cuh; the sm_90a kernel leaves it to the
+  // reduce launch).
+  int* counters;
   int64_t qn_stride0, qn_stride1, qp_stride0, qp_stride1, out_stride0, out_stride1;
   int64_t ckv_block_stride, ckv_token_stride, kpe_block_stride, kpe_token_stride;
   int64_t bt_stride0;

@@ -23,9 +23,9 @@ __global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
   const int pb = (L + p.partition_size - 1) / p.partition_size;
   const int kvh = h / p.gqa;
   const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
+  const MergeOut dst{p.out, (int64_t)qrow * p.out_stride0, p.out_stride0, p.out_stride1, h, p.num_heads, p.q_is_bf16 != 0};
   merge_partitions<D>(p.part_out, p.part_ml, ((int64_t)seq * p.num_heads + h) * p.num_parts, p.num_parts, 1, pa, pb,
-                      vs, p.out, (int64_t)qrow * p.out_stride0 + (int64_t)h * p.out_stride1, p.out_stride1,
-                      p.q_is_bf16, scratch);
+                      vs, dst, scratch);
 }
 
 int launch_reduce(int head_size, const DecodeParams& p, cudaStream_t stream) {
