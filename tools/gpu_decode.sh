@@ -29,7 +29,7 @@ for step in $STEPS; do
     sanitizer)  # the in-kernel merge's handshake and the reduce launch, FP8 and bf16
       for tool in memcheck racecheck synccheck; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
-          tests/test_cuda_split.py -k "equals_the_reduce and (gqa16 or features) and (e4m3 or bfloat16)" \
+          tests/test_cuda_split.py -k "equals_the_reduce and (gqa16 or features or 16-heads or 64-rows) and (e4m3 or bfloat16)" \
           2>&1 | tail -6 | tee "$OUT/sanitizer_$tool.log"
       done ;;
     sweep) timeout 400 python3 tools/split_sweep.py ${SWEEP:-} 2>&1 | tee "$OUT/sweep.txt" | tail -80 ;;
