@@ -6,7 +6,8 @@
 # fi_trim.tar.xz and tvm-ffi, from ../shared/tools/flashinfer/prep_flashinfer_carry.sh) carried along.
 #   STEPS="tests bench" (default), also "all-cuda" (every cuda test), "sanitizer", "sweep" (tools/split_sweep.py; SWEEP="--parts ...")
 #   and "host" (tools/host_time, tools/host_breakdown.py)
-#   BENCH="decode-gaps", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below)
+#   BENCH="decode-gaps", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below),
+#   SANITIZERS="memcheck racecheck synccheck"
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -27,7 +28,7 @@ for step in $STEPS; do
       timeout 420 python3 -m pytest -q -p no:cacheprovider -n 12 tests -m "cuda and not slow" 2>&1 | tail -30 \
         | tee "$OUT/pytest_all.log" ;;
     sanitizer)  # the in-kernel merge's handshake and the reduce launch, FP8 and bf16
-      for tool in memcheck racecheck synccheck; do
+      for tool in ${SANITIZERS:-memcheck racecheck synccheck}; do
         timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
           tests/test_cuda_split.py -k "equals_the_reduce and (gqa16 or features or 16-heads or 64-rows) and (e4m3 or bfloat16)" \
           2>&1 | tail -6 | tee "$OUT/sanitizer_$tool.log"
