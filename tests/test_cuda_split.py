@@ -3,7 +3,8 @@
 plan's default). Both run the same merge code, so their outputs must be equal bit for bit; each is
 also checked against the float64 reference (tolerance: tests/test_cuda_pack.py's, relative L2 <=
 5e-3). The resident-CTA count the split is sized by comes from the CUDA occupancy API. MLA decode
-(mla.cuh, mla_reduce.cu) merges the same two ways; its sm_90a kernel always by the reduce launch.
+(mla.cuh, mla_reduce.cu) can merge the same two ways (the reduce launch unless asked: the in-kernel
+merge measured slower there); its sm_90a kernel always by the reduce launch.
 """
 
 from __future__ import annotations

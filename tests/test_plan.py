@@ -479,6 +479,20 @@ def test_cuda_decode_merge_choice(monkeypatch, merge):
         if split and merge != "reduce":
             counters = runner.keep[0][2]
             assert counters.dtype == torch.int32 and counters.shape == (2 * 2,) and not counters.any()
+    # a merge too large for one CTA (16 heads a CTA x 128 partitions > IN_KERNEL_MERGE_MAX): "auto"
+    # keeps the reduce launch in a plan too
+    case = make_case(seq_lens=[131072], num_heads=32, num_kv_heads=2, head_size=64, block_size=256,
+                     cache_dtype=torch.bfloat16, query_dtype=torch.bfloat16, garbage=False)
+    record = hal.ops.prepare("paged_attention", query=case.query, key_cache=case.key_cache,
+                             value_cache=case.value_cache, block_tables=case.block_tables, seq_lens=case.seq_lens,
+                             max_seq_len=131072)
+    seen.clear()
+    launch.paged_attention.prepare(record)({"query": case.query, "key_cache": case.key_cache,
+                                           "value_cache": case.value_cache, "out": torch.empty_like(case.query),
+                                           "k_scale": 1.0, "v_scale": 1.0})
+    (_, planned), = seen
+    assert planned[33] > 1 and 16 * planned[33] > launch.IN_KERNEL_MERGE_MAX
+    assert (planned[13] != 0) == (merge == "kernel")
 
 
 @pytest.mark.parametrize("scales", ["float", "per_head"])
@@ -615,7 +629,8 @@ def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     runner({"q_nope": qn, "q_pe": qp, "ckv_cache": ckv, "kpe_cache": kpe, "out": out, "ckv_scale": record.ckv_scale,
             "kpe_scale": 0.25})
     (_, one), (_, plan_args) = seen
-    _same_launch(one, plan_args, workspace=(12, 13), counters=14)  # split in 2: the plan merges in the kernel
+    _same_launch(one, plan_args, workspace=(12, 13))  # split in 2; MLA merges by the reduce launch, planned too
+    assert one[14] == plan_args[14] == 0   # no row counters
     assert plan_args[10] == record.ckv_scale.data_ptr() and plan_args[28] == 0.25
     # cache_kv: every argument but the stream
     k = torch.randn(5, 2, 64)

@@ -41,14 +41,21 @@ WGMMA_MIN_FILL = 0.5
 # (csrc/mla_sm90.cuh where it can run, an sm_90 GPU with sm_90a code in the module; elsewhere mla.cuh).
 # The tests and the bench set this.
 MLA_KERNEL = "auto"
-# Where a split context's partitions are merged, in decode and MLA decode: "auto" (in the kernel for
-# a plan, whose row counters are zeroed once when it is made and left zero by every launch; by the
-# reduce kernel for a one-shot call, which would otherwise need a zeroing launch of its own),
-# "kernel" (the last CTA of a row merges; a one-shot call zeroes fresh counters) or "reduce" (a
-# second launch: reduce.cu, mla_reduce.cu). The sm_90a MLA kernel always takes the reduce launch. The
-# in-kernel merge saves a plan's run the reduce launch's host time (~5 us on the H200 host). The
-# tests and the bench set this.
+# Where a split context's partitions are merged: "auto" (decode: in the kernel for a plan, whose row
+# counters are zeroed once when it is made and left zero by every launch, and by the reduce kernel
+# for a one-shot call, which would otherwise need a zeroing launch of its own; MLA decode: always the
+# reduce kernel), "kernel" (the last CTA of a row merges; a one-shot call zeroes fresh counters; the
+# sm_90a MLA kernel still takes the reduce) or "reduce" (a second launch: reduce.cu, mla_reduce.cu).
+# The in-kernel merge saves a plan's run the reduce launch's host time (~5 us on the H200 host), and
+# decode's GPU time too (its merges are small: H200, 2026-12-04, 4x8192 e4m3 39.3 -> 37.1 us). MLA's
+# are not: one CTA merges 16-64 rows of 512 over every partition, where the reduce spreads a row over
+# a CTA per head (1x65536x16 bf16 55.9 -> 112.0 us, 64x4096x16 97.8 -> 101.8 us). The tests and the
+# bench set this.
 DECODE_MERGE = "auto"
+# The largest (query heads a CTA x partitions) a plan's decode merges in the kernel under "auto": the
+# merging CTA reads that many partial rows alone. Measured faster up to 4 x 64 (1x131072x32x8 bf16);
+# MLA's 16 x 2 rows of 512 were slower, so larger merges keep the reduce launch.
+IN_KERNEL_MERGE_MAX = 256
 
 
 def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs: int, max_query_len: int) -> bool:
@@ -146,7 +153,10 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
         part_ml = torch.empty((n, h, parts, 2), dtype=torch.float32, device=dev)
         workspace = (part_out, part_ml)
         ws = (part_out.data_ptr(), part_ml.data_ptr(), 0)
-        merge = DECODE_MERGE if DECODE_MERGE != "auto" else ("kernel" if planned else "reduce")
+        # "auto" merges a plan's rows in the kernel where one CTA's merge stays as small as measured
+        # faster (heads a CTA x partitions <= IN_KERNEL_MERGE_MAX; see DECODE_MERGE)
+        small = min(h // hkv, HEAD_TILE[key_cache.element_size()]) * parts <= IN_KERNEL_MERGE_MAX
+        merge = DECODE_MERGE if DECODE_MERGE != "auto" else ("kernel" if planned and small else "reduce")
         if merge == "kernel" and not wrows:
             counters = torch.zeros(n * hkv * head_tiles, dtype=torch.int32, device=dev)
             workspace += (counters,)
@@ -297,8 +307,7 @@ def _mla_decode_args(call, q_nope, q_pe, out, planned=False):
         part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
         workspace = (part_out, part_ml)
         ws = (part_out.data_ptr(), part_ml.data_ptr(), 0)
-        merge = DECODE_MERGE if DECODE_MERGE != "auto" else ("kernel" if planned else "reduce")
-        if merge == "kernel" and not wgmma:  # the sm_90a kernel always merges by the reduce launch
+        if DECODE_MERGE == "kernel" and not wgmma:  # the sm_90a kernel always merges by the reduce launch
             counters = torch.zeros(n * row_tiles, dtype=torch.int32, device=dev)
             workspace += (counters,)
             ws = (*ws[:2], counters.data_ptr())
