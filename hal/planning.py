@@ -226,8 +226,11 @@ def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False):
                      ["        if not ok:", f"            self._mismatch({n!r}, {n}, sigs[{i}])"]
         elif k == _SCALE:
             lines += check + ["    if not ok:", f"        {n} = self._scale({n!r}, {n}, sigs[{i}])"]
-        else:  # a float scale: a Python float within float32's positive finite range passes as it is
-            lines += [f"    if type({n}) is not float or not ({_F32_LO!r} <= {n} <= {_F32_HI!r}):",
+        else:  # a float scale: a Python float within float32's positive finite range passes as it is,
+            # and None where the plan was made without one (1.0, as the one-shot call reads it)
+            lines += [f"    if {n} is None and sigs[{i}][0] == {_NONE!r}:",
+                      f"        {n} = 1.0",
+                      f"    elif type({n}) is not float or not ({_F32_LO!r} <= {n} <= {_F32_HI!r}):",
                       f"        {n} = self._scale({n!r}, {n}, sigs[{i}])"]
     fields = "{" + ", ".join(f"{n!r}: {n}" for n in names) + "}"
     graded = [n for n, k in zip(names, kinds) if k in (_TENSOR, _OUT, _SCALE)]   # tensors by now
