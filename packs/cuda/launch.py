@@ -288,7 +288,7 @@ def _cache_strides(c: torch.Tensor, name: str) -> tuple[int, int]:
 MLA_ROW_GROUPS = ((16, 1), (32, 2))  # rows a sequence -> MMA row groups a CTA (else 4: 64 rows)
 
 
-def _mla_decode_args(call, q_nope, q_pe, out, planned=False):
+def _mla_decode_args(call, q_nope, q_pe, out):
     """``(arguments of _C.mla_decode but the stream, workspace tensors)`` for the record ``call``
     with these (16-byte aligned) query and output tensors, or None when there is nothing to run."""
     total_q, h, r = call.q_nope.shape
@@ -441,7 +441,7 @@ def _prepare_mla_decode(call):
     (copied by the one-shot call) takes the default runner instead (None)."""
     if not all(_aligned_rows(t) for t in (call.q_nope, call.q_pe, call.out)):
         return None
-    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out, planned=True)
+    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out)
     if built is None:
         return lambda fields: None
     args, workspace = built
