@@ -2,8 +2,10 @@
 # The cuda pack's decode kernel on the lent H200 (docs/cuda.md, docs/plans.md): its GPU tests, the
 # sanitizers on the split-K merge, forced-split timings, host time and the decode bench with
 # FlashInfer. Run from the repo root on the device machine, with the module (built here for Python
-# 3.12 and xz'd to build/C312.so.xz, or packs/cuda/_C*.so) and `.whl` (FlashInfer's trimmed copy
-# fi_trim.tar.xz and tvm-ffi, from ../shared/tools/flashinfer/prep_flashinfer_carry.sh) carried along.
+# 3.12 and xz'd to build/C312.so.xz, or packs/cuda/_C*.so) and `.whl` carried along: FlashInfer's trimmed
+# copy fi_decode.tar.xz and the tvm-ffi wheel from tools/flashinfer_decode/prep.sh (head_dim 64/128/256,
+# pages 16 and 64; preferred), else fi_trim.tar.xz from ../shared/tools/flashinfer/prep_flashinfer_carry.sh
+# (head_dim 128 only: the other head sizes are skip rows).
 #   STEPS="tests bench" (default), also "all-cuda" (every cuda test), "sanitizer", "sweep" (tools/split_sweep.py; SWEEP="--parts ...")
 #   and "host" (tools/host_time, tools/host_breakdown.py)
 #   BENCH="decode-gaps", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below),
@@ -14,9 +16,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"tests bench"}
 if [ -f build/C312.so.xz ]; then xz -dc build/C312.so.xz > packs/cuda/_C.cpython-312-x86_64-linux-gnu.so; fi
-if [ -f .whl/fi_trim.tar.xz ]; then
+FI_TAR=""
+for f in .whl/fi_decode.tar.xz .whl/fi_trim.tar.xz; do [ -f "$f" ] && { FI_TAR=$f; break; }; done
+if [ -n "$FI_TAR" ]; then
+  echo "FlashInfer from $FI_TAR"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/apache_tvm_ffi*.whl \
-    && tar -xJf .whl/fi_trim.tar.xz -C /tmp/site || echo "FlashInfer could not be installed" >&2
+    && tar -xJf "$FI_TAR" -C /tmp/site || echo "FlashInfer could not be installed" >&2
 fi
 export PYTHONPATH=$PWD:/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"

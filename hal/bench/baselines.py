@@ -13,9 +13,14 @@ kv_heads, d]``, K and V separately), pages listed per sequence (indptr / indices
 the same block table). The tensor-core variant asks for the FA2 backend
 (the one prebuilt). ``plan()`` runs once, outside the timed call (an engine plans once per step for
 every layer); ``run()`` is timed, with ``k_scale``/``v_scale`` passed to it for an FP8 cache. Only the
-modules prebuilt by ``shared/tools/flashinfer`` are used (bf16 queries, bf16 or e4m3fn KV, head_dim
-128, page size 16); FlashInfer's JIT is disabled unless ``--flashinfer-jit`` so that a missing module
-fails at once instead of compiling for minutes.
+modules prebuilt by ``tools/flashinfer_decode/prep.sh`` are used (``.whl/fi_decode.tar.xz``: bf16
+queries and outputs, bf16 or e4m3fn KV, head_dim 64, 128 or 256; the tensor-core variant's fa2
+batch-prefill modules and the CUDA-core variant's batch-decode modules). The page size is a run-time
+argument of those modules, so pages of 16 and 64 both run. ``shared/tools/flashinfer``
+(``fi_trim.tar.xz``) is the older, head_dim-128-only build: with it, head sizes 64 and 256 (and
+``flashinfer-cc`` when it was built with ``MODULES=prefill``) are skip rows naming the missing module
+(FlashInfer's ``MissingJITCacheError`` at ``plan()``). FlashInfer's JIT is disabled unless
+``--flashinfer-jit`` so that a missing module fails at once instead of compiling for minutes.
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ def torch_sdpa(p: Problem):
     return run
 
 
-# What shared/tools/flashinfer/flashinfer_prebuild.py builds.
-FI_PREBUILT = {"query": (torch.bfloat16,), "kv": (torch.bfloat16, torch.float8_e4m3fn), "head_size": (128,),
-               "block_size": (16,)}
+# What tools/flashinfer_decode/prep.sh builds (shared/tools/flashinfer: head_size 128 only). The page
+# size is a run-time argument of those modules; 16 and 64 are the ones the bench's shapes use.
+FI_PREBUILT = {"query": (torch.bfloat16,), "kv": (torch.bfloat16, torch.float8_e4m3fn), "head_size": (64, 128, 256),
+               "block_size": (16, 64)}
+FI_PREP = "tools/flashinfer_decode/prep.sh"
 FI_WORKSPACE = 256 << 20
 
 
@@ -70,8 +77,8 @@ def import_flashinfer(allow_jit: bool):
     try:
         return importlib.import_module("flashinfer")
     except Exception as exc:  # ImportError, or a broken install raising anything
-        raise Skip(f"import flashinfer failed ({type(exc).__name__}: {exc}); see "
-                   f"shared/tools/flashinfer/README.md") from None
+        raise Skip(f"import flashinfer failed ({type(exc).__name__}: {exc}); see {FI_PREP} "
+                   f"(or shared/tools/flashinfer/README.md)") from None
 
 
 def _fi_layout(p: Problem):
@@ -110,8 +117,9 @@ def flashinfer_decode(p: Problem, tensor_cores: bool, allow_jit: bool = False):
         if p.shape.block_size not in FI_PREBUILT["block_size"]:
             why.append(f"page size {p.shape.block_size}")
         if why:
-            raise Skip(f"no prebuilt FlashInfer module for {', '.join(why)} (prebuilt: bf16 q, bf16/e4m3fn KV, "
-                       f"head_dim 128, page 16; --flashinfer-jit lets FlashInfer compile one)")
+            raise Skip(f"no prebuilt FlashInfer module for {', '.join(why)} (prebuilt by {FI_PREP}: bf16 q, "
+                       f"bf16/e4m3fn KV, head_dim 64/128/256, page 16/64; shared/tools/flashinfer: head_dim 128 "
+                       f"only; --flashinfer-jit lets FlashInfer compile one)")
     elif p.kv_dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
         raise Skip(f"FlashInfer has no {p.kv_dtype} KV cache")
     lay = _fi_layout(p)
@@ -125,9 +133,20 @@ def flashinfer_decode(p: Problem, tensor_cores: bool, allow_jit: bool = False):
             wrapper = None
     if wrapper is None:
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(lay["workspace"], "NHD", use_tensor_cores=tensor_cores)
-    wrapper.plan(lay["indptr"], lay["indices"], lay["last_page_len"], p.shape.num_heads, p.shape.num_kv_heads,
-                 p.shape.head_size, p.shape.block_size, pos_encoding_mode="NONE", q_data_type=p.query.dtype,
-                 kv_data_type=p.kv_dtype, sm_scale=p.scale)
+    try:
+        wrapper.plan(lay["indptr"], lay["indices"], lay["last_page_len"], p.shape.num_heads, p.shape.num_kv_heads,
+                     p.shape.head_size, p.shape.block_size, pos_encoding_mode="NONE", q_data_type=p.query.dtype,
+                     kv_data_type=p.kv_dtype, sm_scale=p.scale)
+    except Exception as exc:
+        # FlashInfer's "JIT disabled and the module is not in data/aot" (flashinfer.jit.core.MissingJITCacheError),
+        # e.g. head_dim 64/256 with the head-128-only shared/tools/flashinfer copy: this install cannot run
+        # the problem, which is a skip, not a FlashInfer failure. A module that is there but did not load
+        # (FlashInfer logs why and reports it missing too) stays a failure.
+        spec = getattr(exc, "spec", None)
+        if allow_jit or type(exc).__name__ != "MissingJITCacheError" or getattr(spec, "is_aot", False):
+            raise
+        raise Skip(f"this FlashInfer has no prebuilt module {getattr(spec, 'name', '?')} (build it with {FI_PREP}; "
+                   f"--flashinfer-jit lets FlashInfer compile it)") from None
     out = torch.empty_like(p.query)
     q, kv = p.query, (lay["k"], lay["v"])
     scales = {"k_scale": p.k_scale, "v_scale": p.v_scale} if p.k_scale is not None else {}
