@@ -124,6 +124,10 @@ def test_a_plan_merges_in_the_kernel_layer_after_layer_and_in_a_graph(cache, mon
             seen.append(args[COUNTERS])
             return real.paged_attention(*args)
 
+        def paged_attention_prepare(self, *args):  # a plan's launch: made once, run per layer
+            seen.append(args[COUNTERS])
+            return real.paged_attention_prepare(*args)
+
     monkeypatch.setattr(launch, "_C", Spy())
     one_shot = _run(case, "auto", monkeypatch, max_seq_len=20000)
     assert seen == [0]  # the one-shot call merges by the reduce launch

@@ -391,14 +391,47 @@ def test_plan_is_the_declaration_s():
 
 # -------------------------------------------------------------------- the cuda pack's prepared launches (no GPU)
 
+# Where a prepared launch's run puts a layer's tensors and scales in the launcher's argument list
+# (bindings.cpp's take(): tensors in launch.PER_LAYER's order; a scale's (pointer, value) slots), for
+# the stand-in below, which builds the argument list the one-shot launcher would have been given.
+_TAKE = {"paged_attention": ((2, 3, 4, 5), ((9, 22), (10, 23))),
+         "prefill": ((2, 3, 4, 5), ((10, 20), (11, 21))),
+         "cache_kv": ((2, 3, 4, 5), ((7, 15), (8, 16))),
+         "mla_decode": ((2, 3, 4, 5, 6), ((10, 27), (11, 28)))}
+
+
 def _launch_under_test(monkeypatch):
     """packs/cuda/launch.py loaded against a stand-in for its compiled module that records every
-    launch (the GPU facts and the stream faked), without touching the real module's import."""
+    launch (the GPU facts and the stream faked), without touching the real module's import. A
+    prepared launch's run records the argument list its launch would get, as bindings.cpp fills it."""
     import hal.kernelpacks.cuda as pkg
     seen = []
     fake = types.ModuleType("hal.kernelpacks.cuda._C")
+
+    class Prepared:
+        def __init__(self, steps):
+            self.steps = steps
+
+        def extend(self, other):
+            self.steps += other.steps
+
+        def run(self, *layer):
+            *tensors, sp0, sp1, s0, s1, stream = layer
+            for name, args in self.steps:
+                slots, scales = _TAKE[name]
+                a = list(args)
+                for i, t in zip(slots, tensors):
+                    a[i] = t
+                for (ip, iv), ptr, value in zip(scales, (sp0, sp1), (s0, s1)):
+                    if a[ip]:
+                        a[ip] = ptr
+                    else:
+                        a[iv] = value
+                seen.append((name, (*a, stream)))
+
     for fn in ("paged_attention", "prefill", "cache_kv", "mla_decode", "cache_rows"):
         setattr(fake, fn, lambda *a, _fn=fn: seen.append((_fn, a)))
+        setattr(fake, f"{fn}_prepare", lambda *a, _fn=fn: Prepared([(_fn, a)]))
     monkeypatch.setattr(pkg, "_C", fake, raising=False)
     path = pathlib.Path(importlib.util.find_spec("hal.kernelpacks.cuda.launch").origin)  # editable installs too
     spec = importlib.util.spec_from_file_location("hal.kernelpacks.cuda._launch_under_test", path)
@@ -409,7 +442,7 @@ def _launch_under_test(monkeypatch):
     monkeypatch.setattr(launch, "_resident", lambda index, kind, head_size, two: 4)
     monkeypatch.setattr(launch, "_on", lambda device: (contextlib.nullcontext(), 77))
     monkeypatch.setattr(launch, "_device_index", lambda device: 0)
-    monkeypatch.setattr(launch, "_launcher", lambda fn, index: (lambda a: fn(*a, 77)))
+    monkeypatch.setattr(launch, "_launch_context", lambda index: (lambda: 77))
     return launch, seen
 
 

@@ -204,21 +204,21 @@ def _multi_token(call) -> bool:
 
 
 def _attention_launches(call, out, query, planned: bool = False) -> tuple[list, tuple]:
-    """``([(launcher, args, slots)], workspace)`` of a validated call with these query/output tensors:
+    """``([(launcher name in _C, args)], workspace)`` of a validated call with these query/output tensors:
     decode alone, or for a multi-token call the prefill kernel (sequences of 2+ rows) and the decode
     kernel with its split-K (sequences of one row), in that order on one stream."""
     launches, workspace = [], ()
     if _multi_token(call):
-        launches.append((_C.prefill, _prefill_args(
+        launches.append(("prefill", _prefill_args(
             out, query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens, call.query_start_loc,
             call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap, call.sliding_window,
-            call.causal, call.max_query_len), _PREFILL_SLOTS))
+            call.causal, call.max_query_len)))
     built = _paged_attention_args(out, query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens,
                                   call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap,
                                   call.sliding_window, call.max_seq_len, call.query_start_loc, planned)
     if built is not None:
         args, workspace = built
-        launches.append((_C.paged_attention, args, _PAGED_ATTENTION_SLOTS))
+        launches.append(("paged_attention", args))
     return launches, workspace
 
 
@@ -263,8 +263,8 @@ def paged_attention(call) -> None:
     launches, _workspace = _attention_launches(call, out, query)  # the workspace lives until queued
     guard, stream = _on(query.device)
     with guard:
-        for fn, args, _ in launches:
-            fn(*args, stream)
+        for name, args in launches:
+            getattr(_C, name)(*args, stream)
     if out is not call.out:
         call.out.copy_(out)
 
@@ -356,64 +356,78 @@ def cache_mla(call) -> None:
                           value, src.shape[0], src.shape[1], bs, nb, stream)
 
 
-# --- plans (hal.plan): the launch built once, a layer's pointers filled in per run ------------------
-# Where each per-layer field of the call record goes in a launch's argument list: tensors as data
-# pointers; scales as (pointer slot, value slot): a tensor scale fills the first, a float the second.
-_PAGED_ATTENTION_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5},
-                          {"k_scale": (9, 22), "v_scale": (10, 23)})
-_PREFILL_SLOTS = ({"out": 2, "query": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (10, 20), "v_scale": (11, 21)})
-_CACHE_KV_SLOTS = ({"key": 2, "value": 3, "key_cache": 4, "value_cache": 5}, {"k_scale": (7, 15), "v_scale": (8, 16)})
-_MLA_DECODE_SLOTS = ({"out": 2, "q_nope": 3, "q_pe": 4, "ckv_cache": 5, "kpe_cache": 6},
-                     {"ckv_scale": (10, 27), "kpe_scale": (11, 28)})
+# --- plans (hal.plan): the launches built once (_C.*_prepare), a layer's pointers given per run -----
+# The per-layer arguments a prepared launch's run takes, in its order (bindings.cpp, the launches'
+# take()): the tensors (as data pointers; up to five), then the two scales (a scale planned as a
+# tensor passes its pointer, a float its value).
+PER_LAYER = {
+    "paged_attention": (("out", "query", "key_cache", "value_cache"), ("k_scale", "v_scale")),
+    "cache_kv": (("key", "value", "key_cache", "value_cache"), ("k_scale", "v_scale")),
+    "mla_decode": (("out", "q_nope", "q_pe", "ckv_cache", "kpe_cache"), ("ckv_scale", "kpe_scale")),
+}
 
 
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _prepared(fn, args: list, call, slots, device: torch.device, keep: tuple):
-    """A plan's runner: ``fn(*args, stream)`` with the layer's pointers (and float scales) put into
-    their slots of ``args``, the stream read at run time (a CUDA graph captures on its own stream).
-    ``keep`` (the workspace, the geometry tensors) lives as long as the runner."""
-    return _prepared_many([(fn, args, slots)], call, device, keep)
-
-
-def _prepared_many(launches: list, call, device: torch.device, keep: tuple):
-    """As :func:`_prepared` for several launches in order, each ``(fn, args, slots)``."""
+def _prepared(op: str, launches: list, call, device: torch.device, keep: tuple):
+    """A plan's runner for ``launches`` (``[(name in _C, args but the stream)]``, run in order): one
+    ``_C.Prepared`` holding every launch's parameters, made on the planned device, and a runner that
+    gives it the layer's pointers and scales and the stream read at run time (a CUDA graph captures on
+    its own stream). ``keep`` (the workspace, the geometry tensors) lives as long as the runner."""
     index = _device_index(device)
-    steps = []
-    for fn, args, (tensors, scales) in launches:
-        # a scale planned as a tensor fills its pointer slot, a float its value slot (the kind is planned)
-        fills = tuple(tensors.items()) + tuple(
-            (n, p if isinstance(getattr(call, n), torch.Tensor) else v) for n, (p, v) in scales.items())
-        steps.append((_launcher(fn, index), tuple(args), fills))
-
-    def run(fields: dict) -> None:
-        for launch, args, fills in steps:
-            a = list(args)
-            for name, i in fills:
-                f = fields[name]
-                a[i] = f.data_ptr() if isinstance(f, torch.Tensor) else f
-            launch(a)
-    run.keep = keep
+    guard, _ = _on(device)
+    with guard:  # the sm_90a kernels' check reads the current device
+        prepared = None
+        for name, args in launches:
+            step = getattr(_C, f"{name}_prepare")(*args)
+            if prepared is None:
+                prepared = step
+            else:
+                prepared.extend(step)
+    tensors, scales = PER_LAYER[op]
+    tensor_scale = tuple(isinstance(getattr(call, n), torch.Tensor) for n in scales)  # the kind is planned
+    run = _runner(tensors, scales, tensor_scale)(prepared.run, _launch_context(index), index)
+    run.keep, run.prepared = keep, prepared
     return run
 
 
-def _launcher(fn, index: int):
-    """``launch(args)``: ``fn(*args, stream)`` on device ``index`` and its current stream, switching
-    devices only when needed (the cheap reads of :func:`_on`)."""
+@functools.cache
+def _runner(tensors: tuple[str, ...], scales: tuple[str, ...], tensor_scale: tuple[bool, ...]):
+    """The runner's code for these per-layer names and scale kinds, straight-line (a loop and a
+    list cost more than the launch's own pybind11 call): ``make(run, context, index)`` returns
+    ``run(fields)``."""
+    ptrs = [f"fields[{n!r}].data_ptr()" for n in tensors] + ["0"] * (5 - len(tensors))
+    sp = [f"fields[{n!r}].data_ptr()" if t else "0" for n, t in zip(scales, tensor_scale)]
+    sv = ["1.0" if t else f"fields[{n!r}]" for n, t in zip(scales, tensor_scale)]
+    args = ", ".join(ptrs + sp + sv)
+    code = "\n".join([
+        "def make(launch, context, index):",
+        "    def run(fields):",
+        "        stream = context()",
+        "        if stream is None:",
+        "            with _torch.cuda.device(index):",
+        f"                launch({args}, context())",
+        "        else:",
+        f"            launch({args}, stream)",
+        "    return run"])
+    namespace = {"_torch": torch}
+    exec(code, namespace)  # noqa: S102 - generated from PER_LAYER, nothing else
+    return namespace["make"]
+
+
+def _launch_context(index: int):
+    """``context()``: the current raw stream of device ``index`` when that device is current, else
+    None (the runner then switches devices and asks again): the cheap reads of :func:`_on`."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     current = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
-    def launch(a: list) -> None:
-        if current() == index:
-            a.append(raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream)
-            fn(*a)
-            return
-        with torch.cuda.device(index):
-            a.append(raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream)
-            fn(*a)
-    return launch
+    def context():
+        if current() != index:
+            return None
+        return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+    return context
 
 
 def _prepare_paged_attention(call):
@@ -426,14 +440,14 @@ def _prepare_paged_attention(call):
     launches, workspace = _attention_launches(call, call.out, call.query, planned=True)
     if not launches:
         return lambda fields: None
-    return _prepared_many(launches, call, call.query.device,
-                          (workspace, call.block_tables, call.seq_lens, call.alibi_slopes, call.query_start_loc))
+    return _prepared("paged_attention", launches, call, call.query.device,
+                     (workspace, call.block_tables, call.seq_lens, call.alibi_slopes, call.query_start_loc))
 
 
 def _prepare_cache_kv(call):
     args = _cache_kv_args(call.key, call.value, call.key_cache, call.value_cache, call.slot_mapping, call.k_scale,
                           call.v_scale)
-    return _prepared(_C.cache_kv, args, call, _CACHE_KV_SLOTS, call.key.device, (call.slot_mapping,))
+    return _prepared("cache_kv", [("cache_kv", args)], call, call.key.device, (call.slot_mapping,))
 
 
 def _prepare_mla_decode(call):
@@ -445,7 +459,7 @@ def _prepare_mla_decode(call):
     if built is None:
         return lambda fields: None
     args, workspace = built
-    return _prepared(_C.mla_decode, args, call, _MLA_DECODE_SLOTS, call.q_nope.device,
+    return _prepared("mla_decode", [("mla_decode", args)], call, call.q_nope.device,
                      (workspace, call.block_tables, call.seq_lens, call.query_start_loc))
 
 
