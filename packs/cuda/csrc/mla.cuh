@@ -11,10 +11,9 @@
 //   group (named barriers), so the CW warps of a group share one softmax.
 // * M = 16 (MW 1) for <= 16 rows a sequence (memory-bound: 16 heads), 32, or 64 (MW 4: 128 heads,
 //   two tiles, compute-bound, the second tile's latent reads mostly hit L2).
-// * 16-bit latents go global -> shared with cp.async. FP8 latents are loaded into registers
-//   (kDepth tiles ahead: two where O leaves room, since one CTA an SM with one 40 KB tile in flight
-//   is bound by the memory latency, not its bandwidth) and widened with the hardware cvt (exact)
-//   into fp16 in shared memory after the tile's MMAs, so the loads are in flight during the math. A bf16 query against an FP8 latent is moved
+// * 16-bit latents go global -> shared with cp.async. FP8 latents are loaded a tile ahead into
+//   registers and widened with the hardware cvt (exact) into fp16 in shared memory after the tile's
+//   MMAs, so the loads are in flight during the math. A bf16 query against an FP8 latent is moved
 //   into fp16 by an exact power of two chosen per CTA from its absmax (undone on the logits in fp32).
 //   The rotary part stays in the query's dtype; its logits are scaled into the latent's units in
 //   fp32 before the latent's are added. P is rounded to the MMA's 16-bit type, never to FP8.
@@ -44,7 +43,6 @@ template <int MW> struct Tile {
   static constexpr int ON = OC / 8;          // n8 tiles of O per warp
   static constexpr int PStr = N + 8;         // row stride of P in shared memory
   static constexpr int kPre = kR / 16 * N / kThreads;  // 16-byte FP8 chunks a thread prefetches
-  static constexpr int kDepth = MW == 4 ? 1 : 2;        // FP8 latent tiles in flight (MW 4: O's registers)
   static constexpr size_t kSmem = (size_t)(M + 2 * N) * kStr * 2 + (size_t)M * PStr * 2 + kWarps * 16 * 4;
   static_assert(NT >= 1 && ON % 2 == 0 && N * 8 % kThreads == 0, "tile shape");
 };
@@ -198,21 +196,21 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   const int bmask = p.block_size - 1;
   // A tile starts at a multiple of N, so with block_size >= N it lies in one page: one table read.
   const bool one_page = p.block_size >= T::N;
-  auto page_at = [&](int pos) -> int64_t { return table[pos >> p.block_shift]; };
+  int64_t page = 0;
+  auto page_of = [&](int pos) -> int64_t { return one_page ? page : table[pos >> p.block_shift]; };
   auto ckv_row = [&](int pos) {
-    return p.ckv + page_at(pos) * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
+    return p.ckv + page_of(pos) * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
   };
   auto kpe_row = [&](int pos) {
-    return p.kpe + page_at(pos) * p.kpe_block_stride + (int64_t)(pos & bmask) * p.kpe_token_stride;
+    return p.kpe + page_of(pos) * p.kpe_block_stride + (int64_t)(pos & bmask) * p.kpe_token_stride;
   };
-  using Pre = uint4[kFp8 ? T::kPre : 1];
-  Pre pre[kFp8 ? T::kDepth : 1];
+  uint4 pre[kFp8 ? T::kPre : 1];
+  // Issue tile s's loads into buffer b: rope (and a 16-bit latent) by cp.async, an FP8 latent into pre.
   // Loops with constant trip counts (unrolled): a thread's chunks of a tile are rows j0 + step * i
   // at one column, so a row's address is the previous one plus a constant on a one-page tile.
-  // Tile s's rope (and a 16-bit latent) into buffer b by cp.async.
   auto load_tile = [&](int b, int s) {
     uint16_t* dst = sk + b * T::N * kStr;
-    const int64_t page = one_page ? page_at(s) : 0;
+    if (one_page) page = table[s >> p.block_shift];
     const uint8_t* c0 = p.ckv + page * p.ckv_block_stride + (int64_t)(s & bmask) * p.ckv_token_stride;
     const uint8_t* k0 = p.kpe + page * p.kpe_block_stride + (int64_t)(s & bmask) * p.kpe_token_stride;
 #pragma unroll
@@ -230,30 +228,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
         const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_row(pos);
         cp_async16(smem_addr(dst + j * kStr + ch * 8), ok ? src + ch * 16 : p.ckv, ok);
       }
-    }
-    cp_async_commit();
-  };
-  // FP8 only: tile s's latent into registers.
-  auto load_latent = [&](Pre& dst, int s) {
-    if constexpr (kFp8) {
-      const int64_t page = one_page ? page_at(s) : 0;
-      const uint8_t* c0 = p.ckv + page * p.ckv_block_stride + (int64_t)(s & bmask) * p.ckv_token_stride;
+    } else {
 #pragma unroll
       for (int i = 0; i < T::kPre; ++i) {
         const int c = tid + i * kThreads, j = c >> 5, ch = c & 31, pos = s + j;
         const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_row(pos);
-        dst[i] = pos < p1 ? __ldg(reinterpret_cast<const uint4*>(src + ch * 16)) : make_uint4(0, 0, 0, 0);
+        pre[i] = pos < p1 ? __ldg(reinterpret_cast<const uint4*>(src + ch * 16)) : make_uint4(0, 0, 0, 0);
       }
     }
+    cp_async_commit();
   };
-  // FP8 only: widen a loaded latent into buffer b (16 bytes -> 32 bytes of fp16).
-  auto store_tile = [&](int b, const Pre& src) {
+  // FP8 only: widen the prefetched latent into buffer b (16 bytes -> 32 bytes of fp16).
+  auto store_tile = [&](int b) {
     if constexpr (kFp8) {
       uint16_t* dst = sk + b * T::N * kStr;
 #pragma unroll
       for (int i = 0; i < T::kPre; ++i) {
         const int c = tid + i * kThreads, j = c >> 5, ch = c & 31;
-        const uint32_t w[4] = {src[i].x, src[i].y, src[i].z, src[i].w};
+        const uint32_t w[4] = {pre[i].x, pre[i].y, pre[i].z, pre[i].w};
         uint32_t h[8];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -270,9 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   const int ntiles = p1 > p0 ? (p1 - p0 + T::N - 1) / T::N : 0;
   if (ntiles > 0) {
     load_tile(0, p0);
-    load_latent(pre[0], p0);
-    if (T::kDepth == 2 && ntiles > 1) load_latent(pre[kFp8 ? T::kDepth - 1 : 0], p0 + T::N);
-    store_tile(0, pre[0]);
+    store_tile(0);
     cp_async_wait_all();
   }
   __syncthreads();
@@ -295,18 +285,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   }
   const uint32_t pa = smem_addr(sp + (rg * 16 + (lane & 15)) * T::PStr + (lane >> 4) * 8);
 
-  // Tile it: its fp16 is in buffer it & 1. With kDepth 2, pre[slot] is free and pre[slot ^ 1] holds
-  // tile it + 1's latent (slot = it & 1, a constant: the loop below is unrolled by two).
-  auto step = [&](int it, auto slot_tag) {
-    constexpr int kSlot = decltype(slot_tag)::value;
+  for (int it = 0; it < ntiles; ++it) {
     const int b = it & 1, s = p0 + it * T::N;
     const bool more = it + 1 < ntiles;
     if (more) load_tile(b ^ 1, s + T::N);
-    if constexpr (T::kDepth == 1) {
-      if (more) load_latent(pre[0], s + T::N);
-    } else {
-      if (it + 2 < ntiles) load_latent(pre[kFp8 ? kSlot : 0], s + 2 * T::N);
-    }
     const uint16_t* kb = sk + b * T::N * kStr;
 
     // ---- S = Q K^T: rope dims first (query dtype), scaled into latent units, then the latent ----
@@ -423,18 +405,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
       }
     }
     if (more) {
-      store_tile(b ^ 1, pre[kFp8 && T::kDepth == 2 ? kSlot ^ 1 : 0]);
+      store_tile(b ^ 1);
       cp_async_wait_all();
     }
     __syncthreads();
-  };
-  if constexpr (kFp8 && T::kDepth == 2) {
-    for (int it = 0; it < ntiles; it += 2) {
-      step(it, std::integral_constant<int, 0>{});
-      if (it + 1 < ntiles) step(it + 1, std::integral_constant<int, 1>{});
-    }
-  } else {
-    for (int it = 0; it < ntiles; ++it) step(it, std::integral_constant<int, 0>{});
   }
 
   // ---- the row sums over the group, then the output or this partition's partial ----
