@@ -121,7 +121,14 @@ class Plan:
                 self._device = planned.device
         self._sigs = tuple(sigs)
         gpu = self._device is not None and self._device.type != "cpu" and self._device.index is not None
-        self.run = types.MethodType(_run_function(op, tuple(kinds), gpu), self)
+        # A runner may also take the layer's data pointers and scales directly (``raw`` with its
+        # ``raw_layout``: the cuda pack's prepared launch): run then reads each pointer once, for its
+        # alignment check and the launch, and builds no fields dict.
+        raw = getattr(runner, "raw_layout", None)
+        if raw is not None and not all(n in decl.per_layer for n in raw[0] + raw[2]):
+            raw = None
+        self._raw = runner.raw if raw is not None else None
+        self.run = types.MethodType(_run_function(op, tuple(kinds), gpu, raw), self)
 
     def __repr__(self) -> str:
         return f"<hal plan of {self.op} on pack {self.pack}: {self.call.call_key.describe()}>"
@@ -195,13 +202,15 @@ def _positional(op: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False):
+def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False, raw: tuple | None = None):
     """``run`` for plans of ``op`` whose per-layer arguments are checked as ``kinds`` say: straight-
     line code (one layout tuple compare per tensor, a range check per float scale), generated once
     per op and kinds as dataclasses generates ``__init__``: a loop over the arguments costs more
     than the checks. The plan's layouts are ``self._sigs``; anything unusual goes to the plan's
     slow paths (which raise, or normalise a scale the one-shot call would accept). ``gpu``: the plan's
-    tensors are on a GPU, whose index ``get_device`` reads (see ``_layout``)."""
+    tensors are on a GPU, whose index ``get_device`` reads (see ``_layout``). ``raw``: the runner's
+    ``raw_layout`` (tensor names, how many pointer slots, scale names), or None to call the runner
+    with the fields dict."""
     device = "get_device()" if gpu else "device"
     decl = _ops.OPS[op]
     names = decl.per_layer
@@ -210,9 +219,11 @@ def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False):
     params = ", ".join(tensors) + (", *, " + ", ".join(f"{n}=None" for n in keywords) if keywords else "")
     lines = [f"def run(self, {params}):",
              "    sigs = self._sigs"]
+    pointers = set(raw[0]) if raw is not None else set()
     for i, (n, k) in enumerate(zip(names, kinds)):
-        aligned = "None" if k == _SCALE else f"{n}.data_ptr() % 16 == 0"   # a scale's address matters to no pack
-        check = ["    try:",
+        read = [f"        p_{n} = {n}.data_ptr()"] if n in pointers else []   # once: the check and the launch
+        aligned = "None" if k == _SCALE else f"p_{n} % 16 == 0" if read else f"{n}.data_ptr() % 16 == 0"
+        check = ["    try:"] + read + [
                  f"        ok = ({n}.dtype, {n}.shape, {n}.stride(), {n}.{device}, {aligned}) == sigs[{i}]"
                  + ("" if k != _SCALE else "[1]"),
                  "    except AttributeError:",
@@ -221,8 +232,9 @@ def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False):
             lines += check + ["    if not ok:", f"        self._mismatch({n!r}, {n}, sigs[{i}])"]
         elif k == _OUT:
             lines += [f"    if {n} is None:",
-                      f"        {n} = _empty(sigs[{i}][1], sigs[{i}][2], dtype=sigs[{i}][0], device=self._device)",
-                      "    else:"] + ["    " + line for line in check] + \
+                      f"        {n} = _empty(sigs[{i}][1], sigs[{i}][2], dtype=sigs[{i}][0], device=self._device)"]
+            lines += ([f"        p_{n} = {n}.data_ptr()"] if read else []) + ["    else:"]
+            lines += ["    " + line for line in check] + \
                      ["        if not ok:", f"            self._mismatch({n!r}, {n}, sigs[{i}])"]
         elif k == _SCALE:
             lines += check + ["    if not ok:", f"        {n} = self._scale({n!r}, {n}, sigs[{i}])"]
@@ -234,13 +246,25 @@ def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False):
                       f"        {n} = self._scale({n!r}, {n}, sigs[{i}])"]
     fields = "{" + ", ".join(f"{n!r}: {n}" for n in names) + "}"
     graded = [n for n, k in zip(names, kinds) if k in (_TENSOR, _OUT, _SCALE)]   # tensors by now
-    lines += [f"    fields = {fields}",
-              f"    if _grad() and ({' or '.join(f'{n}.requires_grad' for n in graded)}):",
-              f"        _no_autograd({op!r}, fields)",
-              "    if self._debug:",
-              "        self._full_check(fields)",
-              "    self._runner(fields)",
-              f"    return {'out' if 'out' in names else 'None'}"]
+    if raw is None:
+        lines += [f"    fields = {fields}",
+                  f"    if _grad() and ({' or '.join(f'{n}.requires_grad' for n in graded)}):",
+                  f"        _no_autograd({op!r}, fields)",
+                  "    if self._debug:",
+                  "        self._full_check(fields)",
+                  "    self._runner(fields)"]
+    else:
+        tensors, width, scales = raw
+        kind = dict(zip(names, kinds))
+        ptrs = [f"p_{n}" for n in tensors] + ["0"] * (width - len(tensors))
+        sp = [f"{n}.data_ptr()" if kind[n] == _SCALE else "0" for n in scales]
+        sv = ["1.0" if kind[n] == _SCALE else n for n in scales]
+        lines += [f"    if _grad() and ({' or '.join(f'{n}.requires_grad' for n in graded)}):",
+                  f"        _no_autograd({op!r}, {fields})",
+                  "    if self._debug:",
+                  f"        self._full_check({fields})",
+                  f"    self._raw({', '.join(ptrs + sp + sv)})"]
+    lines += [f"    return {'out' if 'out' in names else 'None'}"]
     namespace = {"_grad": torch.is_grad_enabled, "_no_autograd": validate.no_autograd, "_empty": torch.empty_strided}
     exec("\n".join(lines), namespace)  # noqa: S102 - generated from the op's declaration, nothing else
     fn = namespace["run"]

@@ -488,6 +488,52 @@ def test_cuda_plan_launches_equal_the_one_shot_launches(monkeypatch, scales, len
     assert all(t.device.type == "cpu" for t in ws)  # allocated once, at prepare, held by the runner
 
 
+class _RawRunner:
+    """A runner that takes pointers (the cuda pack's protocol: ``raw`` with its ``raw_layout``) and
+    records what it is given; its fields path must not be taken."""
+    raw_layout = (("out", "query", "key_cache", "value_cache"), 5, ("k_scale", "v_scale"))
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, fields):
+        raise AssertionError("plan.run took the fields path for a runner with a raw layout")
+
+    def raw(self, *args):
+        self.calls.append(args)
+
+
+@pytest.mark.parametrize("scales", ["float", "per_head"])
+def test_plan_run_gives_a_raw_runner_each_pointer_and_scale(scales):
+    """A runner with a raw layout gets the layer's data pointers in its order (padded with 0), and
+    each scale as (pointer, 1.0) when planned as a tensor or (0, value) when planned as a float; an
+    allocated ``out`` is the one returned; a misfit tensor is still the named error, with nothing run."""
+    from hal import planning, registry
+    case = make_case(seq_lens=[40, 9], num_heads=8, num_kv_heads=2, head_size=64, cache_dtype=torch.float8_e4m3fn,
+                     per_head_scales=scales == "per_head", garbage=False)
+    layers = _layers(case, 2, "per_head" if scales == "per_head" else "float")
+    q0, kc0, vc0, ks0, vs0 = layers[0]
+    made = hal.plan("paged_attention", q0, kc0, vc0, case.block_tables, case.seq_lens, k_scale=ks0, v_scale=vs0,
+                    max_seq_len=40)
+    runner = _RawRunner()
+    plan = planning.Plan("paged_attention", made.call, registry.by_name(made.pack), runner, made._public, False)
+    q, kc, vc, ks, vs = layers[1]
+    out = torch.empty_like(q)
+    assert plan.run(q, kc, vc, k_scale=ks, v_scale=vs, out=out) is out
+    if scales == "per_head":
+        want_scales = (ks.data_ptr(), vs.data_ptr(), 1.0, 1.0)
+    else:
+        want_scales = (0, 0, ks, vs)
+    assert runner.calls == [(out.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0) + want_scales]
+    runner.calls.clear()
+    got = plan.run(q, kc, vc, k_scale=ks, v_scale=vs)
+    assert runner.calls[0][0] == got.data_ptr() and got.shape == q.shape
+    runner.calls.clear()
+    with pytest.raises(hal.ArgumentError, match="key_cache"):
+        plan.run(q, kc.view(torch.uint8), vc, k_scale=ks, v_scale=vs, out=out)
+    assert runner.calls == []
+
+
 @pytest.mark.parametrize("merge", ["auto", "kernel", "reduce"])
 def test_cuda_decode_merge_choice(monkeypatch, merge):
     """Which decode launches bring row counters (argument 13: the last CTA of a split row merges, no

@@ -2,8 +2,10 @@
 the table the docs quote). Layers of a step as tools/host_time times them (30 calls, median of 30
 steps, the GPU idle), for one decode problem per cache dtype:
 
-  plan.run         the public per-layer call (layout checks, then the runner)
-  runner           the pack's runner on the layer's fields (pointers, the stream, the prepared launch)
+  plan.run         the public per-layer call (layout checks, then the runner's raw launcher)
+  raw              the runner's raw launcher on the layer's pointers and scales (the stream, the
+                   prepared launch): what plan.run calls after its checks
+  runner           the pack's runner on the layer's fields (reads the pointers from the tensors)
   prepared         _C.Prepared.run with the layer's pointers (pybind11, 10 arguments + cudaLaunchKernel)
   prepared, empty  the same for a launch prepared with num_seqs = 0 (it returns before launching:
                    pybind11 alone)
@@ -83,6 +85,7 @@ def main(specs: list[str]) -> None:
                       else (0, 0, fields["k_scale"], fields["v_scale"]))
             rows = {
                 "plan.run": lambda: plan.run(p.query, p.key_cache, p.value_cache, k_scale=ks, v_scale=vs, out=out),
+                "raw": lambda: plan._raw(*ptrs, *scales),
                 "runner": lambda: plan._runner(fields),
                 "prepared": lambda: prepared.run(*ptrs, *scales, raw(index)),
                 "prepared, empty": lambda: nothing.run(*ptrs, *scales, raw(index)),

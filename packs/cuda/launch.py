@@ -388,9 +388,24 @@ def _prepared(op: str, launches: list, call, device: torch.device, keep: tuple):
                 prepared.extend(step)
     tensors, scales = PER_LAYER[op]
     tensor_scale = tuple(isinstance(getattr(call, n), torch.Tensor) for n in scales)  # the kind is planned
-    run = _runner(tensors, scales, tensor_scale)(prepared.run, _launch_context(index), index)
+    context = _launch_context(index)
+    run = _runner(tensors, scales, tensor_scale)(prepared.run, context, index)
     run.keep, run.prepared = keep, prepared
+    run.raw, run.raw_layout = _raw_launcher(prepared.run, context, index), (tensors, 5, scales)
     return run
+
+
+def _raw_launcher(launch, context, index: int):
+    """``raw(p0, .., p4, scale pointer 0, 1, scale value 0, 1)``: the prepared launch with the layer's
+    pointers and scales as hal.plan's run reads them (``raw_layout``), on the current stream."""
+    def raw(a, b, c, d, e, sp0, sp1, sv0, sv1):
+        stream = context()
+        if stream is None:
+            with torch.cuda.device(index):
+                launch(a, b, c, d, e, sp0, sp1, sv0, sv1, context())
+        else:
+            launch(a, b, c, d, e, sp0, sp1, sv0, sv1, stream)
+    return raw
 
 
 @functools.cache
