@@ -480,8 +480,15 @@ def test_cuda_plan_launches_equal_the_one_shot_launches(monkeypatch, scales, len
         launch.paged_attention(record)
         runner({"query": q, "key_cache": kc, "value_cache": vc, "out": out, "k_scale": record.k_scale,
                 "v_scale": record.v_scale})
-        (n1, one), (n2, plan_args) = seen
-        assert n1 == n2 == "paged_attention" and plan_args[-1] == 77
+        # the raw launcher plan.run calls (runner.raw_layout's order) launches the same
+        assert runner.raw_layout == (("out", "query", "key_cache", "value_cache"), 5, ("k_scale", "v_scale"))
+        tensor_scales = isinstance(record.k_scale, torch.Tensor)
+        runner.raw(out.data_ptr(), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 0,
+                   *((record.k_scale.data_ptr(), record.v_scale.data_ptr(), 1.0, 1.0) if tensor_scales
+                     else (0, 0, record.k_scale, record.v_scale)))
+        (n1, one), (n2, plan_args), (n3, raw_args) = seen
+        assert n1 == n2 == n3 == "paged_attention" and plan_args[-1] == 77
+        assert raw_args == plan_args
         _same_launch(one, plan_args, workspace=(11, 12), counters=13)
         assert (one[11] != 0) == (lens[0] == 3000)   # the long context is split
     ws = runner.keep[0]
