@@ -32,7 +32,7 @@ constexpr int kStep = 16;  // tokens per warp iteration (two n8 tiles for QK, on
 // are capped for 4 resident CTAs per SM. Both measured faster on the H200 than one step per round
 // at 3 CTAs per SM (docs/cuda.md).
 template <Kind K, int D, int NH> struct LoopConfig {
-  static constexpr int kSub = (Traits<K>::kFp8 && (NH == 1 || D <= 128)) ? 2 : 1;
+  static constexpr int kSub = (Traits<K>::kFp8 && NH == 1) ? 2 : 1;
   static constexpr int kMinBlocks = (NH == 1 && D <= 128) ? 4 : 1;
 };
 
