@@ -388,10 +388,14 @@ def _prepared(op: str, launches: list, call, device: torch.device, keep: tuple):
                 prepared.extend(step)
     tensors, scales = PER_LAYER[op]
     tensor_scale = tuple(isinstance(getattr(call, n), torch.Tensor) for n in scales)  # the kind is planned
-    context = _launch_context(index)
-    run = _runner(tensors, scales, tensor_scale)(prepared.run, context, index)
+    raw = _raw_launcher(prepared.run, _launch_context(index), index)
+
+    def run(fields: dict) -> None:  # the runner protocol's dict form; hal.plan's run calls raw
+        raw(*(fields[n].data_ptr() for n in tensors), *(0,) * (5 - len(tensors)),
+            *(fields[n].data_ptr() if t else 0 for n, t in zip(scales, tensor_scale)),
+            *(1.0 if t else fields[n] for n, t in zip(scales, tensor_scale)))
     run.keep, run.prepared = keep, prepared
-    run.raw, run.raw_layout = _raw_launcher(prepared.run, context, index), (tensors, 5, scales)
+    run.raw, run.raw_layout = raw, (tensors, 5, scales)
     return run
 
 
@@ -406,30 +410,6 @@ def _raw_launcher(launch, context, index: int):
         else:
             launch(a, b, c, d, e, sp0, sp1, sv0, sv1, stream)
     return raw
-
-
-@functools.cache
-def _runner(tensors: tuple[str, ...], scales: tuple[str, ...], tensor_scale: tuple[bool, ...]):
-    """The runner's code for these per-layer names and scale kinds, straight-line (a loop and a
-    list cost more than the launch's own pybind11 call): ``make(run, context, index)`` returns
-    ``run(fields)``."""
-    ptrs = [f"fields[{n!r}].data_ptr()" for n in tensors] + ["0"] * (5 - len(tensors))
-    sp = [f"fields[{n!r}].data_ptr()" if t else "0" for n, t in zip(scales, tensor_scale)]
-    sv = ["1.0" if t else f"fields[{n!r}]" for n, t in zip(scales, tensor_scale)]
-    args = ", ".join(ptrs + sp + sv)
-    code = "\n".join([
-        "def make(launch, context, index):",
-        "    def run(fields):",
-        "        stream = context()",
-        "        if stream is None:",
-        "            with _torch.cuda.device(index):",
-        f"                launch({args}, context())",
-        "        else:",
-        f"            launch({args}, stream)",
-        "    return run"])
-    namespace = {"_torch": torch}
-    exec(code, namespace)  # noqa: S102 - generated from PER_LAYER, nothing else
-    return namespace["make"]
 
 
 def _launch_context(index: int):

@@ -49,16 +49,20 @@ static void set_scale(const float*& p, float& v, std::uintptr_t layer_ptr, float
   else v = layer_value;
 }
 
+// A layer's pointers into decode or prefill parameters: out, query, key_cache, value_cache; k_scale, v_scale.
+template <class P>
+void take_attention(P& p, const Layer& l) {
+  p.out = ptr<void>(l.t[0]); p.query = ptr<const void>(l.t[1]);
+  p.key_cache = ptr<const uint8_t>(l.t[2]); p.value_cache = ptr<const uint8_t>(l.t[3]);
+  set_scale(p.k_scale_ptr, p.k_scale, l.scale_ptr[0], l.scale[0]);
+  set_scale(p.v_scale_ptr, p.v_scale, l.scale_ptr[1], l.scale[1]);
+}
+
 struct DecodeLaunch {
   static constexpr const char* what = "paged_attention";
   int kind, head_size;
   DecodeParams p;
-  void take(const Layer& l) {  // out, query, key_cache, value_cache; k_scale, v_scale
-    p.out = ptr<void>(l.t[0]); p.query = ptr<const void>(l.t[1]);
-    p.key_cache = ptr<const uint8_t>(l.t[2]); p.value_cache = ptr<const uint8_t>(l.t[3]);
-    set_scale(p.k_scale_ptr, p.k_scale, l.scale_ptr[0], l.scale[0]);
-    set_scale(p.v_scale_ptr, p.v_scale, l.scale_ptr[1], l.scale[1]);
-  }
+  void take(const Layer& l) { take_attention(p, l); }
   int launch(cudaStream_t s) const {
     if (p.num_seqs == 0) return 0;
     int err;
@@ -79,12 +83,7 @@ struct PrefillLaunch {
   static constexpr const char* what = "paged_attention (multi-token)";
   int kind, head_size, max_query_len;
   PrefillParams p;
-  void take(const Layer& l) {  // as DecodeLaunch
-    p.out = ptr<void>(l.t[0]); p.query = ptr<const void>(l.t[1]);
-    p.key_cache = ptr<const uint8_t>(l.t[2]); p.value_cache = ptr<const uint8_t>(l.t[3]);
-    set_scale(p.k_scale_ptr, p.k_scale, l.scale_ptr[0], l.scale[0]);
-    set_scale(p.v_scale_ptr, p.v_scale, l.scale_ptr[1], l.scale[1]);
-  }
+  void take(const Layer& l) { take_attention(p, l); }
   int launch(cudaStream_t s) {
     if (p.num_seqs == 0 || max_query_len <= 0) return 0;
     switch (kind) {
