@@ -212,6 +212,71 @@ def test_forced_wgmma_kernel_graph_replay_equals_eager(monkeypatch):
     test_cuda_graph_replay_equals_eager()
 
 
+# launch.MLA_KERNEL = "narrow": csrc/mla_narrow.cuh for 16-row tiles (up to 16 rows a sequence; every arch).
+# Cases: (seq_lens, q_lens or None, heads, block_size): odd lengths and tokens past a tile's end, row
+# padding (1 head; 5 heads x 3 tokens = 15 rows), every block size class (one page a tile or a lookup a
+# token), a context cut into partitions (merged by the reduce launch), empty sequences.
+NARROW_MLA_CASES = {
+    "16-heads": ([77, 5, 300, 1], None, 16, 16),
+    "1-head": ([129, 31], None, 1, 32),
+    "16-heads-page-64": ([333, 64, 1000, 17], None, 16, 64),
+    "speculative-8x2": ([50, 200, 7, 64], [2, 1, 2, 2], 8, 64),
+    "speculative-5x3-padding": ([50, 300, 9], [3, 1, 2], 5, 256),
+    "page-1": ([70, 33], None, 16, 1),
+    "page-8": ([70, 33], None, 16, 8),
+    "split-long": ([20000, 1, 2049], None, 16, 64),
+    "empty-sequences": ([0, 40, 0], [0, 3, 0], 4, 16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NARROW_MLA_CASES))
+@pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16, *FP8_CACHES), ids=str)
+def test_forced_narrow_kernel(case, cache, monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "narrow")
+    lens, q_lens, heads, bs = NARROW_MLA_CASES[case]
+    q = _query_for(cache)
+    _check(make_mla(lens, q_lens, heads=heads, ckv_dtype=cache, kpe_dtype=q, query_dtype=q, block_size=bs,
+                    seed=len(case) + 100), multi=q_lens is not None)
+
+
+@pytest.mark.parametrize("query", (torch.float16, torch.bfloat16), ids=str)
+def test_forced_narrow_kernel_fp8_latent_either_query_and_views(query, monkeypatch):
+    """An FP8 latent with either query dtype, in one byte buffer beside its rope (strided rows), with a
+    device scale; and a bf16 latent as a view of vLLM's combined 576-wide cache."""
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "narrow")
+    case = make_mla([90, 31, 257], heads=16, ckv_dtype=torch.float8_e4m3fn, kpe_dtype=query, query_dtype=query,
+                    block_size=16, seed=14)
+    nb, bs = case["ckv_cache"].shape[:2]
+    buf = torch.empty(nb, bs, 512 + 128, dtype=torch.uint8)
+    buf[..., :512] = case["ckv_cache"].view(torch.uint8)
+    buf[..., 512:] = case["kpe_cache"].view(torch.uint8)
+    case["ckv_cache"] = buf[..., :512].view(torch.float8_e4m3fn)
+    case["kpe_cache"] = buf[..., 512:].view(query)
+    case["ckv_scale"] = torch.tensor(case["ckv_scale"], dtype=torch.float32)
+    _check(case, multi=False)
+    test_combined_cache_views()
+
+
+def test_forced_narrow_kernel_nan_query_row_and_graph_replay(monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "narrow")
+    test_nan_query_row_stays_nan_and_others_do_not()
+    c = _to(make_mla([300, 41, 1000], heads=16, ckv_dtype=torch.float8_e4m3fn, block_size=64, seed=15))
+    args = (c["q_nope"], c["q_pe"], c["ckv_cache"], c["kpe_cache"], c["block_tables"], c["seq_lens"])
+    kw = {"scale": c["scale"], "ckv_scale": c["ckv_scale"], "max_seq_len": 1000}
+    eager = hal.mla_decode(*args, **kw)
+    out = torch.empty_like(eager)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        hal.mla_decode(*args, out=out, **kw)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16, *FP8_CACHES), ids=str)
 @pytest.mark.parametrize("source", (torch.float32, torch.bfloat16), ids=str)
 def test_cache_mla_bytes_equal_encode(cache, source):

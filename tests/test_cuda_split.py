@@ -205,17 +205,24 @@ def test_mla_in_kernel_merge_equals_the_reduce_launch(cache, name, monkeypatch):
         wg = _mla(case, "kernel", "wgmma", monkeypatch)
         ok, msg = gpu_tolerance_ok(wg, _ref(case))
         assert ok, msg
+    if heads * max(q_lens or [1]) <= 16:  # 16-row tiles: the narrow kernel merges in the kernel too
+        narrow = _mla(case, "kernel", "narrow", monkeypatch)
+        ok, msg = gpu_tolerance_ok(narrow, _ref(case))
+        assert ok, msg
+        assert torch.equal(narrow, _mla(case, "reduce", "narrow", monkeypatch))
+        assert torch.equal(_mla(case, "kernel", "narrow", monkeypatch), narrow)  # counters left zero
 
 
 @gpu
-@pytest.mark.parametrize("kernel", ("mma", "wgmma"))
+@pytest.mark.parametrize("kernel", ("mma", "wgmma", "narrow"))
 def test_mla_plan_runs_and_graph_replays_equal_the_one_shot_call(kernel, monkeypatch):
     from test_cuda_mla import _to
     from test_emu_mla import make_mla
 
     from hal.kernelpacks.cuda import launch
     monkeypatch.setattr(launch, "MLA_KERNEL", kernel)
-    c = _to(make_mla([6000, 41, 1000], [2, 1, 2], heads=32, block_size=64, seed=11))
+    heads = 8 if kernel == "narrow" else 32  # the narrow kernel takes tiles of up to 16 rows
+    c = _to(make_mla([6000, 41, 1000], [2, 1, 2], heads=heads, block_size=64, seed=11))
     args = (c["q_nope"], c["q_pe"], c["ckv_cache"], c["kpe_cache"], c["block_tables"], c["seq_lens"])
     kw = {"scale": c["scale"], "ckv_scale": c["ckv_scale"], "kpe_scale": c["kpe_scale"], "max_seq_len": 6000,
           "query_start_loc": c["query_start_loc"], "max_query_len": 2}

@@ -1,7 +1,7 @@
 """One hal.mla_decode shape, called a few times (for profilers: ncu, nsys).
 
 Usage: python3 tools/mla_once.py KERNEL CACHE [BATCH CONTEXT HEADS BLOCK]
-KERNEL: mma | wgmma (the cuda pack's launch.MLA_KERNEL); CACHE: the latent's torch dtype name (bfloat16,
+KERNEL: auto | mma | wgmma | narrow (the cuda pack's launch.MLA_KERNEL); CACHE: the latent's torch dtype name (bfloat16,
 float8_e4m3fn, ...; the rope is bf16). Defaults: 32 sequences of 8192 tokens, 128 heads, block 64.
 """
 

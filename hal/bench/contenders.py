@@ -297,6 +297,14 @@ def _hal_cuda_mma(p: Problem, opts: dict) -> Prepared:
     return _hal_cuda_kernel("MLA_KERNEL", "mma", "csrc/mla.cuh")(p, opts)
 
 
+def _hal_cuda_narrow(p: Problem, opts: dict) -> Prepared:
+    """The cuda pack with its narrow MLA kernel (csrc/mla_narrow.cuh: warps split the latent's columns)
+    forced for 16-row tiles."""
+    if p.op != MLA:
+        raise Skip("MLA problems only")
+    return _hal_cuda_kernel("MLA_KERNEL", "narrow", "csrc/mla_narrow.cuh")(p, opts)
+
+
 def baseline_for(op: str) -> str:
     return BASELINES.get(op, BASELINE)
 
@@ -321,6 +329,9 @@ def all_contenders() -> list[Contender]:
                                  ops=frozenset({PREFILL, MLA})))
             out.append(Contender("hal:cuda-mma", "hal", "hal.mla_decode(pack='cuda') with the mma.sync kernel "
                                  "(csrc/mla.cuh) forced", _hal_cuda_mma, ops=frozenset({MLA})))
+            out.append(Contender("hal:cuda-narrow", "hal", "hal.mla_decode(pack='cuda') with the narrow kernel "
+                                 "(csrc/mla_narrow.cuh) forced for 16-row tiles", _hal_cuda_narrow,
+                                 ops=frozenset({MLA})))
     out += [
         Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch, ops=EVERY_OP),
         Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton, ops=EVERY_OP),

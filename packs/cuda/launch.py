@@ -36,10 +36,12 @@ PREFILL_KERNEL = "auto"
 # (3 % of the grid has rows): wgmma 432 / 311 us (bf16 / e4m3fn cache) against 384 / 263 us for the
 # same work as two calls, while mma.sync's cheap empty CTAs cost 422 / 296 us (docs/cuda.md).
 WGMMA_MIN_FILL = 0.5
-# MLA decode kernel for 64-row tiles (more than 32 rows a sequence: 128 heads, or 64 with speculative
-# rows): "auto" (the tuning entry's "mla" "wgmma"), "mma" (csrc/mla.cuh, mma.sync: every arch) or "wgmma"
-# (csrc/mla_sm90.cuh where it can run, an sm_90 GPU with sm_90a code in the module; elsewhere mla.cuh).
-# The tests and the bench set this.
+# MLA decode kernels: each row-tile size may have a kernel of its own besides csrc/mla.cuh (mma.sync, every
+# arch, every tile): csrc/mla_sm90.cuh for 64-row tiles (more than 32 rows a sequence: 128 heads, or 64 with
+# speculative rows; sm_90a code on an sm_90 GPU, elsewhere mla.cuh) and csrc/mla_narrow.cuh for 16-row tiles
+# (up to 16 rows a sequence: 16 heads under tensor parallelism; every arch). "auto": the tuning entry's
+# "mla" "wgmma" / "narrow"; "mma": mla.cuh for every tile; "wgmma" or "narrow": that kernel for its tiles,
+# mla.cuh for the others. The tests and the bench set this.
 MLA_KERNEL = "auto"
 # Where a split context's partitions are merged: "auto" (decode: in the kernel for a plan, whose row
 # counters are zeroed once when it is made and left zero by every launch, and by the reduce kernel
@@ -67,11 +69,16 @@ def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs:
     return listed and total_q >= WGMMA_MIN_FILL * num_seqs * max_query_len
 
 
-def _mla_wgmma(device: torch.device) -> bool:
+def _mla_own_kernel(groups: int, device: torch.device) -> bool:
+    """Whether a tile of ``groups`` MMA row groups takes its own kernel (the launch's last argument):
+    mla_sm90.cuh for 4 (64 rows), mla_narrow.cuh for 1 (16 rows); 2 (32 rows) has none."""
+    name = {4: "wgmma", 1: "narrow"}.get(groups)
+    if name is None:
+        return False
     if MLA_KERNEL != "auto":
-        return MLA_KERNEL == "wgmma"
+        return MLA_KERNEL == name
     _, arch = _device_facts(_device_index(device))
-    return bool(tuning_for(arch).get("mla", {}).get("wgmma", False))
+    return bool(tuning_for(arch).get("mla", {}).get(name, False))
 
 
 @functools.cache
@@ -301,7 +308,8 @@ def _mla_decode_args(call, q_nope, q_pe, out):
     row_tiles = -(-rows // (16 * groups))
     sms, _ = _device_facts(_device_index(dev))
     size, parts = mla_split(n * row_tiles, call.max_seq_len, sms)
-    wgmma = groups == 4 and _mla_wgmma(dev)
+    own = _mla_own_kernel(groups, dev)
+    wgmma = own and groups == 4
     if parts > 1:
         part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
         part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
@@ -324,7 +332,7 @@ def _mla_decode_args(call, q_nope, q_pe, out):
         call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, q_nope.stride(0),
         q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts,
         call.block_tables.stride(0), call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts,
-        row_tiles, int(q_nope.dtype == torch.bfloat16), int(wgmma)]
+        row_tiles, int(q_nope.dtype == torch.bfloat16), int(own)]
     return args, workspace
 
 

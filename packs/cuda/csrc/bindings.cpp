@@ -294,7 +294,7 @@ static MLALaunch make_mla(
     int64_t out_stride0, int64_t out_stride1, int64_t ckv_block_stride, int64_t ckv_token_stride,
     int64_t kpe_block_stride, int64_t kpe_token_stride, int64_t bt_stride0, float scale, float ckv_scale,
     float kpe_scale, int num_seqs, int num_heads, int total_q, int block_size, int partition_size, int num_parts,
-    int row_tiles, int q_is_bf16, int wgmma) {
+    int row_tiles, int q_is_bf16, int kernel) {
   MLALaunch l{kind, row_groups, {}};
   MLAParams& p = l.p;
   p.out = ptr<void>(out); p.q_nope = ptr<const void>(q_nope); p.q_pe = ptr<const void>(q_pe);
@@ -304,7 +304,7 @@ static MLALaunch make_mla(
   p.ckv_scale_ptr = ptr<const float>(ckv_scale_ptr); p.kpe_scale_ptr = ptr<const float>(kpe_scale_ptr);
   p.part_out = ptr<float>(part_out); p.part_ml = ptr<float>(part_ml);
   // the merge: in mla.cuh where the call brought counters; the sm_90a kernel leaves it to the reduce launch
-  const bool wg = row_groups == 4 && wgmma && sm90a_kernels_run();
+  const bool wg = row_groups == 4 && kernel && sm90a_kernels_run();
   p.counters = wg ? nullptr : ptr<int>(counters);
   p.qn_stride0 = qn_stride0; p.qn_stride1 = qn_stride1; p.qp_stride0 = qp_stride0; p.qp_stride1 = qp_stride1;
   p.out_stride0 = out_stride0; p.out_stride1 = out_stride1;
@@ -315,7 +315,7 @@ static MLALaunch make_mla(
   p.block_shift = block_shift(block_size);
   if (partition_size % 64 != 0) throw std::invalid_argument("partition_size must be a multiple of 64");
   p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
-  p.wgmma = wgmma;
+  p.kernel = kernel;
   return l;
 }
 

@@ -103,7 +103,9 @@ struct MLAParams {
   float scale, ckv_scale, kpe_scale;
   int num_seqs, num_heads, total_q, block_size, block_shift;
   int partition_size, num_parts, row_tiles, q_is_bf16;
-  int wgmma;                    // 1: the sm_90a kernel (mla_sm90.cuh) for 64-row tiles where it can run
+  // 0: mla.cuh; 1: the row tile's own kernel: mla_sm90.cuh for 64-row tiles (where it can run: an
+  // sm_90 GPU, sm_90a code), mla_narrow.cuh for 16-row tiles
+  int kernel;
 };
 
 // Writing rows of one width into a paged cache whose token rows may be strided (cache_mla).
