@@ -52,8 +52,9 @@ def test_summary_names_the_source_and_every_class():
         line = next(x for x in text.splitlines() if x.startswith(cls + ":"))
         assert ("a warp per row from" in line) == (p.get("warp_rows", 0) > 0), line
     assert text.splitlines()[-2].startswith("multi-token kernel: mma.sync (csrc/prefill.cuh)")
-    assert text.splitlines()[-1] == "MLA decode, 64-row tiles: mma.sync (csrc/mla.cuh)"
-    assert tuning.summary("sm_90").splitlines()[-1] == "MLA decode, 64-row tiles: wgmma (csrc/mla_sm90.cuh)"
+    narrow = "; 16-row tiles: csrc/mla_narrow.cuh over FP8 latents, csrc/mla.cuh over 16-bit ones"
+    assert text.splitlines()[-1] == "MLA decode, 64-row tiles: mma.sync (csrc/mla.cuh)" + narrow
+    assert tuning.summary("sm_90").splitlines()[-1] == "MLA decode, 64-row tiles: wgmma (csrc/mla_sm90.cuh)" + narrow
 
 
 P = {"ctas_per_sm": 3, "waves": 2, "min_partition": 256}

@@ -671,11 +671,12 @@ def test_cuda_mla_kernel_choice(monkeypatch):
     """The MLA launch's last argument asks for the row tile's own kernel: csrc/mla_sm90.cuh for 64-row
     tiles (more than 32 rows a sequence; row groups 4, the argument before the output pointer),
     csrc/mla_narrow.cuh for 16-row tiles; from launch.MLA_KERNEL, else the tuning entry's mla.wgmma /
-    mla.narrow. 32-row tiles have none."""
+    an FP8 latent for 16-row tiles. 32-row tiles have none."""
     launch, seen = _launch_under_test(monkeypatch)
 
-    def asked(heads, q_lens=None, attr="auto"):
-        case = make_mla([70, 9], q_lens, heads=heads, seed=heads)
+    def asked(heads, q_lens=None, attr="auto", latent=torch.float8_e4m3fn):
+        q = torch.bfloat16
+        case = make_mla([70, 9], q_lens, heads=heads, ckv_dtype=latent, kpe_dtype=q, query_dtype=q, seed=heads)
         qsl = case["query_start_loc"] if q_lens else None
         record = hal.ops.prepare("mla_decode", q_nope=case["q_nope"], q_pe=case["q_pe"], ckv_cache=case["ckv_cache"],
                                  kpe_cache=case["kpe_cache"], block_tables=case["block_tables"],
@@ -687,16 +688,17 @@ def test_cuda_mla_kernel_choice(monkeypatch):
         (name, a), = seen
         return a[1], a[-2]  # row groups, own kernel
 
-    assert asked(128) == (4, 1) and asked(16) == (1, 0) and asked(32) == (2, 0) and asked(48) == (4, 1)
+    assert asked(128) == (4, 1) and asked(16) == (1, 1) and asked(32) == (2, 0) and asked(48) == (4, 1)
+    assert asked(16, latent=torch.bfloat16) == (1, 0) and asked(16, latent=torch.float8_e5m2) == (1, 1)
     assert asked(16, [4, 1]) == (4, 1)                        # 64 rows: speculative tokens x heads
     assert asked(128, attr="mma") == (4, 0) and asked(16, attr="wgmma") == (1, 0)
-    assert asked(16, attr="narrow") == (1, 1) and asked(8, [2, 1]) == (1, 0) and asked(8, [2, 1], "narrow") == (1, 1)
+    assert asked(16, attr="narrow", latent=torch.bfloat16) == (1, 1) and asked(8, [2, 1]) == (1, 1)
+    assert asked(8, [2, 1], "wgmma") == (1, 0)
     assert asked(128, attr="narrow") == (4, 0) and asked(32, attr="narrow") == (2, 0) and asked(16, attr="mma") == (1, 0)
     real = launch.tuning_for
     monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
-                        {**real(arch), "mla": {"wgmma": False, "narrow": True}})
+                        {**real(arch), "mla": {"wgmma": False}})
     assert asked(128) == (4, 0) and asked(128, attr="wgmma") == (4, 1)
-    assert asked(16) == (1, 1) and asked(32) == (2, 0) and asked(16, attr="mma") == (1, 0)
 
 
 def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):

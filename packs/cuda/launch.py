@@ -40,8 +40,10 @@ WGMMA_MIN_FILL = 0.5
 # arch, every tile): csrc/mla_sm90.cuh for 64-row tiles (more than 32 rows a sequence: 128 heads, or 64 with
 # speculative rows; sm_90a code on an sm_90 GPU, elsewhere mla.cuh) and csrc/mla_narrow.cuh for 16-row tiles
 # (up to 16 rows a sequence: 16 heads under tensor parallelism; every arch). "auto": the tuning entry's
-# "mla" "wgmma" / "narrow"; "mma": mla.cuh for every tile; "wgmma" or "narrow": that kernel for its tiles,
-# mla.cuh for the others. The tests and the bench set this.
+# "mla" "wgmma" for 64-row tiles, and the narrow kernel for 16-row tiles over an FP8 latent (1.2-1.3x
+# mla.cuh there; over a 16-bit latent it is no faster, and slower on ragged batches: H100, 2026-12-05,
+# docs/cuda.md); "mma": mla.cuh for every tile; "wgmma" or "narrow": that kernel for its tiles, mla.cuh for
+# the others. The tests and the bench set this.
 MLA_KERNEL = "auto"
 # Where a split context's partitions are merged: "auto" (decode: in the kernel for a plan, whose row
 # counters are zeroed once when it is made and left zero by every launch, and by the reduce kernel
@@ -69,7 +71,7 @@ def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs:
     return listed and total_q >= WGMMA_MIN_FILL * num_seqs * max_query_len
 
 
-def _mla_own_kernel(groups: int, device: torch.device) -> bool:
+def _mla_own_kernel(groups: int, device: torch.device, fp8_latent: bool) -> bool:
     """Whether a tile of ``groups`` MMA row groups takes its own kernel (the launch's last argument):
     mla_sm90.cuh for 4 (64 rows), mla_narrow.cuh for 1 (16 rows); 2 (32 rows) has none."""
     name = {4: "wgmma", 1: "narrow"}.get(groups)
@@ -77,6 +79,8 @@ def _mla_own_kernel(groups: int, device: torch.device) -> bool:
         return False
     if MLA_KERNEL != "auto":
         return MLA_KERNEL == name
+    if name == "narrow":
+        return fp8_latent
     _, arch = _device_facts(_device_index(device))
     return bool(tuning_for(arch).get("mla", {}).get(name, False))
 
@@ -308,7 +312,7 @@ def _mla_decode_args(call, q_nope, q_pe, out):
     row_tiles = -(-rows // (16 * groups))
     sms, _ = _device_facts(_device_index(dev))
     size, parts = mla_split(n * row_tiles, call.max_seq_len, sms)
-    own = _mla_own_kernel(groups, dev)
+    own = _mla_own_kernel(groups, dev, call.ckv_cache.element_size() == 1)
     wgmma = own and groups == 4
     if parts > 1:
         part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)

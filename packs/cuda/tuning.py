@@ -105,5 +105,6 @@ def summary(arch: str) -> str:
                                            else "mma.sync (csrc/prefill.cuh)")
                  + "; HAL_CUDA_PREFILL overrides")
     lines.append("MLA decode, 64-row tiles: " + ("wgmma (csrc/mla_sm90.cuh)" if t.get("mla", {}).get("wgmma")
-                                                 else "mma.sync (csrc/mla.cuh)"))
+                                                 else "mma.sync (csrc/mla.cuh)")
+                 + "; 16-row tiles: csrc/mla_narrow.cuh over FP8 latents, csrc/mla.cuh over 16-bit ones")
     return "\n".join([head + ":"] + lines)
