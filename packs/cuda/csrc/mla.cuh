@@ -11,6 +11,8 @@
 //   group (named barriers), so the CW warps of a group share one softmax.
 // * M = 16 (MW 1) for <= 16 rows a sequence (memory-bound: 16 heads), 32, or 64 (MW 4: 128 heads,
 //   two tiles, compute-bound, the second tile's latent reads mostly hit L2).
+//   Where they run instead: 16-row tiles over an FP8 latent take mla_narrow.cuh, 64-row tiles on sm_90a
+//   take mla_sm90.cuh (launch._mla_own_kernel); this kernel serves the rest on every arch.
 // * 16-bit latents go global -> shared with cp.async. FP8 latents are loaded a tile ahead into
 //   registers and widened with the hardware cvt (exact) into fp16 in shared memory after the tile's
 //   MMAs, so the loads are in flight during the math. A bf16 query against an FP8 latent is moved
