@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hal
-from cases import FEATURES, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
+from cases import FEATURES, alibi_slopes, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok
 from hal import registry
 
 CUDA_PRESENT = importlib.util.find_spec("hal.kernelpacks.cuda") is not None
@@ -150,6 +150,26 @@ def test_gqa_ratios(heads, kv_heads, cache):
 
 
 @gpu
+@pytest.mark.parametrize("head_size", (64, 128, 256))
+@pytest.mark.parametrize("cache", FP8_CACHES, ids=str)
+def test_fp8_head_tiles_of_16(cache, head_size, monkeypatch):
+    """FP8 GQA 16: one CTA serves both 8-head tiles (two steps a load round) up to head 128, one tile a
+    CTA at head 256; plain and with every feature (the kernel without the plain path), one-pass and
+    split-K; and the one-tile-a-CTA kernel the same calls take when HEAD_TILE says 8."""
+    from hal.kernelpacks.cuda import launch
+    assert launch.head_tile(1, head_size) == (16 if head_size <= 128 else 8)
+    every = dict(alibi_slopes=alibi_slopes(32), logits_soft_cap=4.0, sliding_window=1300)
+    for kw in ({}, every):
+        case = make_case(seq_lens=[0, 1, 18, 130, 5000], num_heads=32, num_kv_heads=2, head_size=head_size,
+                         cache_dtype=cache, query_dtype=_query_for(cache), per_head_scales=bool(kw),
+                         device="cuda", seed=head_size, **kw)
+        _check(case, max_seq_len=5000)
+        with monkeypatch.context() as m:
+            m.setattr(launch, "HEAD_TILE", {1: 8, 2: 16})
+            _check(case, max_seq_len=5000)
+
+
+@gpu
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("cache", (*FP8_CACHES, torch.float16), ids=str)
 def test_features(feature, cache):
@@ -181,7 +201,8 @@ WARP_ROW_CASES = {
     "bf16-h128": dict(seq_lens=[7, 700, 0], num_kv_heads=3, num_heads=12, cache_dtype=torch.bfloat16),
     "e4m3-h64-block8": dict(seq_lens=[1, 19, 300, 8], block_size=8, head_size=64),
     "e5m2-h256": dict(seq_lens=[45, 512, 2], head_size=256, cache_dtype=torch.float8_e5m2),
-    "e4m3-gqa16": dict(seq_lens=[90, 3], num_kv_heads=2, num_heads=32),  # two 8-head tiles, a warp each
+    # two 8-head tiles, a warp each (FP8 GQA 16 takes 8-head tiles where they get warp rows)
+    "e4m3-gqa16": dict(seq_lens=[90, 3], num_kv_heads=2, num_heads=32),
     "e4m3-features": dict(seq_lens=[0, 1, 18, 130, 1000], head_size=64, per_head_scales=True, **FEATURES["all"]),
 }
 

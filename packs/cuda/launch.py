@@ -17,11 +17,20 @@ from .tuning import mla_split, shape_class, split, tuning_for, warp_rows
 
 KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 INPUTS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-# Query heads per CTA: 16 (two 8-head MMA tiles sharing each K/V fragment) for 16-bit caches; 8 for
-# FP8, where the lighter one-tile kernel wins even though a GQA group above 8 then has each KV page
-# read by two CTAs (the second read mostly hits L2). H200, 2026-11-29, GQA 16 and 20: FP8 1.2-1.6x
-# faster with 8; bf16 1.0-1.15x faster with 16 (docs/cuda.md).
-HEAD_TILE = {1: 8, 2: 16}  # by cache element size
+# Query heads per CTA (by cache element size): 16, two 8-head MMA tiles sharing each K/V fragment, so
+# a GQA group above 8 reads its KV pages once. FP8 caches take 16 only up to head 128, where the
+# two-tile kernel loads two steps a round (csrc/decode.cuh, LoopConfig) in 196 registers; at head 256
+# that spills and FP8 keeps one 8-head tile a CTA, as it does where 8-head tiles take warp rows
+# (_decode_launch). H100, 2026-12-05, FP8 GQA 12-32 at >= 8K context: 1.05-1.19x faster with 16;
+# bf16 (H200, 2026-11-29) 1.0-1.15x (docs/cuda.md).
+HEAD_TILE = {1: 16, 2: 16}
+FP8_WIDE_TILE_MAX_HEAD = 128
+
+
+def head_tile(element_size: int, head_size: int) -> int:
+    """Query heads a decode CTA serves for this cache element size and head size."""
+    tile = HEAD_TILE[element_size]
+    return min(tile, 8) if element_size == 1 and head_size > FP8_WIDE_TILE_MAX_HEAD else tile
 # Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "wgmma_head_sizes"
 # take the wgmma kernel where the grid is mostly rows, and the rest the mma.sync one), "mma"
 # (csrc/prefill.cuh, mma.sync: every arch) or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a
@@ -155,8 +164,14 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
     if n == 0 or query.shape[0] == 0:
         return None
     dev = query.device
-    head_tiles = -(-(h // hkv) // HEAD_TILE[key_cache.element_size()])
     max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
+    tile = head_tile(key_cache.element_size(), d)
+    if tile > 8 and h // hkv > 8 and key_cache.element_size() == 1:
+        # FP8 with many short rows: where 8-head tiles would take warp rows, they beat 16-head CTAs
+        # (H100, 2026-12-05: 128x2048 and 256x1024 at GQA 16, 0.80 / 0.74 of copy against 0.67 / 0.52)
+        if plan(n, hkv, -(-(h // hkv) // 8), max_len, dev, key_cache.dtype, one_tile=True, head_size=d)[2]:
+            tile = 8
+    head_tiles = -(-(h // hkv) // tile)
     size, parts, wrows = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype,
                               one_tile=head_tiles * 8 >= h // hkv, head_size=d)
     if parts > 1:
@@ -166,7 +181,7 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
         ws = (part_out.data_ptr(), part_ml.data_ptr(), 0)
         # "auto" merges a plan's rows in the kernel where one CTA's merge stays as small as measured
         # faster (heads a CTA x partitions <= IN_KERNEL_MERGE_MAX; see DECODE_MERGE)
-        small = min(h // hkv, HEAD_TILE[key_cache.element_size()]) * parts <= IN_KERNEL_MERGE_MAX
+        small = min(h // hkv, tile) * parts <= IN_KERNEL_MERGE_MAX
         merge = DECODE_MERGE if DECODE_MERGE != "auto" else ("kernel" if planned and small else "reduce")
         if merge == "kernel" and not wrows:
             counters = torch.zeros(n * hkv * head_tiles, dtype=torch.int32, device=dev)

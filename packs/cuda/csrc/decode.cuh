@@ -30,10 +30,12 @@ constexpr int kStep = 16;  // tokens per warp iteration (two n8 tiles for QK, on
 // The main loop's shape per cache kind. An FP8 step carries half the bytes of a 16-bit one, so two
 // steps share a load round (and one softmax update); with one 8-head tile and D <= 128 registers
 // are capped for 4 resident CTAs per SM. Both measured faster on the H200 than one step per round
-// at 3 CTAs per SM (docs/cuda.md).
+// at 3 CTAs per SM (docs/cuda.md). Two 8-head tiles (FP8 GQA > 8) also take two steps a round up to
+// D 128 (196 registers, 2 CTAs per SM; 1.05-1.19x one step a round at 3 on the H100); at D 256 that
+// spills, and launch.head_tile gives FP8 one 8-head tile a CTA there.
 template <Kind K, int D, int NH> struct LoopConfig {
-  static constexpr int kSub = (Traits<K>::kFp8 && NH == 1) ? 2 : 1;
-  static constexpr int kMinBlocks = (NH == 1 && D <= 128) ? 4 : 1;
+  static constexpr int kSub = (Traits<K>::kFp8 && (NH == 1 || D <= 128)) ? 2 : 1;
+  static constexpr int kMinBlocks = (NH == 1 && D <= 128) ? 4 : (Traits<K>::kFp8 && D <= 128) ? 2 : 1;
 };
 
 template <Kind K, int D, int NH, bool kPlain, bool kRows>
