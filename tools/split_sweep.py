@@ -4,8 +4,9 @@ Usage: python3 tools/split_sweep.py [--shapes S,...] [--kv bfloat16,float8_e4m3f
        [--merge reduce,kernel] [--fp8-tiles 8,16] [--budget 0.2]
 For every shape and cache dtype: the tuning table's own choice, then each forced partition count
 (rounded to 64-token partitions) with each merge (launch.DECODE_MERGE) and, for FP8 caches, each
-query-head tile of a CTA (launch.HEAD_TILE: 8 or 16; FP8 above head 128 stays at 8), as µs and fraction of the copy
-bandwidth measured first. Outputs are compared with the first variant's (a split only reorders sums).
+query-head tile of a CTA (launch.HEAD_TILE: 8 or 16; FP8 above head 128, and where 8-head tiles
+get warp rows, the launcher takes 8 whatever it says), as µs and fraction of the copy bandwidth
+measured first. Outputs are compared with the first variant's (a split only reorders sums).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
                 hal.paged_attention(prob.query, prob.key_cache, prob.value_cache, prob.block_tables, prob.seq_lens,
                                     scale=prob.scale, out=out, pack="cuda", max_seq_len=prob.max_seq_len, **kw)
 
-            two = shape.num_heads // shape.num_kv_heads > 8 and launch.head_tile(prob.key_cache.element_size(), shape.head_size) > 8
+            wide = launch.head_tile(prob.key_cache.element_size(), shape.head_size)
+            two = shape.num_heads // shape.num_kv_heads > 8 and wide > 8
             kv = f"{kv}/{tile}" if tile else kv
             occ = launch._C.decode_ctas_per_sm(launch.KINDS[prob.key_cache.dtype], shape.head_size, two, False)
             print(f"{spec} {kv}: {'two head tiles' if two else 'one head tile'} a CTA, {occ} CTAs/SM resident")
@@ -67,7 +69,7 @@ def main() -> None:
                     size = -(-(-(-prob.max_seq_len // parts)) // 64) * 64
                     launch.plan = lambda *args, size=size, **kws: (size, -(-prob.max_seq_len // size), False)
                 try:
-                    tiles = -(-(shape.num_heads // shape.num_kv_heads) // launch.head_tile(prob.key_cache.element_size(), shape.head_size))
+                    tiles = -(-(shape.num_heads // shape.num_kv_heads) // wide)
                     used = launch.plan(shape.batch, shape.num_kv_heads, tiles, prob.max_seq_len, dev, prob.key_cache.dtype)
                     call()
                     got = out.float().clone()

@@ -31,6 +31,8 @@ def head_tile(element_size: int, head_size: int) -> int:
     """Query heads a decode CTA serves for this cache element size and head size."""
     tile = HEAD_TILE[element_size]
     return min(tile, 8) if element_size == 1 and head_size > FP8_WIDE_TILE_MAX_HEAD else tile
+
+
 # Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "wgmma_head_sizes"
 # take the wgmma kernel where the grid is mostly rows, and the rest the mma.sync one), "mma"
 # (csrc/prefill.cuh, mma.sync: every arch) or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a
