@@ -54,7 +54,7 @@ MERGE_CASES = {
     # the window skips the first partitions; ALiBi and soft-cap (the kernel without the plain path)
     "features-h64": dict(seq_lens=[3000, 0, 1500, 19], head_size=64, per_head_scales=True, **FEATURES["all"]),
     "window-h256": dict(seq_lens=[4000, 600, 1], head_size=256, sliding_window=1300, block_size=64),
-    # GQA 16: 16-bit caches put both 8-head tiles in one CTA (16 rows to merge), FP8 one per CTA
+    # GQA 16: both 8-head tiles in one CTA (16 rows to merge; FP8 too at head 128)
     "gqa16-h128": dict(seq_lens=[1800, 3], head_size=128, num_heads=32, num_kv_heads=2),
 }
 
