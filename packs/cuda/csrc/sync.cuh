@@ -21,6 +21,40 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {  // 
       "r"(parity)
       : "memory");
 }
+// Bulk copies (sm_90, no tensor map): `bytes` (a multiple of 16, both addresses 16-byte aligned) from
+// global memory into shared memory, counted on an mbarrier's transaction count (decode.cuh's ring).
+// A phase completes once its arrivals are in and the bytes announced by arrive_expect_tx have landed.
+__device__ __forceinline__ void mbar_init_fence() {  // initialised mbarriers, visible to the async proxy
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void mbar_wait_u32(uint32_t bar, uint32_t parity) {  // mbar_wait on a shared address
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
 template <int N> __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
