@@ -176,7 +176,7 @@ def test_fp8_head_tiles_of_16(cache, head_size, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("ring", ("ring2", "ring3"))
+@pytest.mark.parametrize("ring", ("ring2", "ring3", "runs2", "runs3"))
 @pytest.mark.parametrize("cache", (torch.bfloat16, torch.float16, *FP8_CACHES), ids=str)
 def test_bulk_copy_ring_gives_the_register_bits(cache, ring, monkeypatch):
     """The bulk-copy ring (csrc/decode.cuh, BulkRing: sm_90, head 128) computes what the register loads
@@ -210,7 +210,7 @@ def test_bulk_copy_ring_gives_the_register_bits(cache, ring, monkeypatch):
                 out = case.poisoned_out()
                 hal.paged_attention(case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=case.k_scale,
                                     v_scale=case.v_scale, out=out, pack="cuda", **case.kwargs)
-                assert rings == [0 if loads == "registers" else int(ring[4:])]
+                assert rings == [0 if loads == "registers" else int(ring[4:]) + 8 * ring.startswith("runs")]
                 outs.append(out)
             assert torch.equal(outs[1], outs[0]), (case.block_size, views)
             ok, msg = gpu_tolerance_ok(outs[1], case.reference())

@@ -162,7 +162,7 @@ def test_resident_ctas_per_sm_of_every_decode_kernel():
         # the bulk-copy ring: head 128 only, 2 or 3 stages, no warp rows; its shared memory allows 1-3 CTAs
         if torch.cuda.get_device_capability()[0] == 9:
             for two in (False, True):
-                for ring in (2, 3):
+                for ring in (2, 3, 10, 11):
                     assert 1 <= _C.decode_ctas_per_sm(kind, 128, two, False, ring) <= 3, (kind, two, ring)
         assert _C.decode_ctas_per_sm(kind, 64, False, False, 2) == -1
         assert _C.decode_ctas_per_sm(kind, 128, False, True, 2) == -1

@@ -69,8 +69,8 @@ MLA_KERNEL = "auto"
 DECODE_MERGE = "auto"
 # How the decode kernel brings K/V in: "registers" (16-byte loads straight into MMA fragments) or
 # "ring2" / "ring3" (the bulk-copy ring of csrc/decode.cuh, BulkRing: cp.async.bulk rows into a shared-memory
-# ring of that many stages a warp; sm_90 GPUs, head size 128, not with warp rows, else registers). The tests
-# and the bench set this.
+# ring of that many stages a warp; sm_90 GPUs, head size 128, not with warp rows, else registers), or "runs2" /
+# "runs3" (the same ring, a dense step in two copies instead of 32). The tests and the bench set this.
 DECODE_LOADS = "registers"
 # The largest (query heads a CTA x partitions) a plan's decode merges in the kernel under "auto": the
 # merging CTA reads that many partial rows alone. Measured faster up to 4 x 64 (1x131072x32x8 bf16);
@@ -118,13 +118,13 @@ def _resident(index: int, kind: int, head_size: int, two_tiles: bool, ring: int 
 def _ring(device: torch.device, head_size: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
     """Stages of the bulk-copy ring a decode launch asks for (DECODE_LOADS), or 0 (registers) where the
     ring cannot run: not an sm_90 GPU, a head size other than 128, a cache not 16-byte aligned."""
-    if not DECODE_LOADS.startswith("ring") or head_size != 128:
+    if DECODE_LOADS[:4] not in ("ring", "runs") or head_size != 128:
         return 0
     if _device_facts(_device_index(device))[1] != "sm_90":
         return 0
     if any(c.data_ptr() % 16 or c.stride(0) * c.element_size() % 16 for c in (key_cache, value_cache)):
         return 0
-    return int(DECODE_LOADS[4:])
+    return int(DECODE_LOADS[4:]) + (8 if DECODE_LOADS.startswith("runs") else 0)
 
 
 def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device,

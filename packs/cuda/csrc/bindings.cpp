@@ -223,10 +223,10 @@ static DecodeLaunch make_decode(
   p.partition_size = partition_size; p.num_parts = num_parts; p.window = window; p.q_is_bf16 = q_is_bf16;
   p.warp_rows = warp_rows;
   p.ring = ring;
-  if (ring && (ring < 2 || ring > 3 || warp_rows || head_size != 128)) {
-    throw std::invalid_argument("ring=" + std::to_string(ring) + ": the bulk-copy ring takes 2 or 3 stages, head size "
-                                "128 and no warp rows (head_size=" + std::to_string(head_size) + ", warp_rows=" +
-                                std::to_string(warp_rows) + ")");
+  if (ring && ((ring != 2 && ring != 3 && ring != 10 && ring != 11) || warp_rows || head_size != 128)) {
+    throw std::invalid_argument("ring=" + std::to_string(ring) + ": the bulk-copy ring takes 2 or 3 stages (+ 8 for "
+                                "whole-step copies), head size 128 and no warp rows (head_size=" +
+                                std::to_string(head_size) + ", warp_rows=" + std::to_string(warp_rows) + ")");
   }
   if (warp_rows && head_tiles * 8 < p.gqa) {
     throw std::invalid_argument("warp_rows=1 needs one 8-head tile per CTA (head_tiles * 8 >= " +

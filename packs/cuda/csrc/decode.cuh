@@ -44,12 +44,16 @@ template <Kind K, int D, int NH> struct LoopConfig {
 // the fragments are then read from shared memory with the same per-thread bytes as the register path.
 // Rows are kPitch apart (16 bytes past the row): the V fragment reads (rows 2t.. of 8 lanes) hit
 // distinct banks. Each warp owns its stages, so no CTA-wide synchronisation is needed in the loop.
+// kRing = stages, + 8 for "runs": a step whose 16 rows are contiguous in the cache (HND, one page, all
+// in range) comes in two copies (K and V) instead of 32, into unpadded rows (bank conflicts instead).
 template <Kind K, int D, int NH, int kRing> struct BulkRing {
+  static constexpr int kStages = kRing & 7;
+  static constexpr bool kRuns = kRing >= 8;
   static constexpr int kSub = LoopConfig<K, D, NH>::kSub;
   static constexpr int kRowBytes = D * Traits<K>::kBytes;
-  static constexpr int kPitch = kRowBytes + 16;
+  static constexpr int kPitch = kRuns ? kRowBytes : kRowBytes + 16;
   static constexpr int kStageBytes = 2 * kSub * kStep * kPitch;  // K rows, then V rows of one load round
-  static constexpr int kCtaBytes = kRing > 0 ? kWarps * kRing * kStageBytes : 0;  // dynamic shared memory
+  static constexpr int kCtaBytes = kRing > 0 ? kWarps * kStages * kStageBytes : 0;  // dynamic shared memory
   // resident CTAs the shared memory allows (228 KiB an SM, ~4 KiB static and 1 KiB reserved a CTA)
   static constexpr int kFit = kRing > 0 ? (228 * 1024) / (kCtaBytes + 5 * 1024) : 4;
   static constexpr int kMinBlocks = kFit < 1 ? 1 : kFit > 4 ? 4 : kFit;
@@ -193,10 +197,13 @@ decode_kernel(const DecodeParams p) {
   // ---- the bulk-copy ring (kRing > 0): lane l copies token l % 16 of each step, K rows from lanes
   // 0-15 and V rows from 16-31; rows outside [first, w1) are not copied and read as zeros ----
   using RG = BulkRing<K, D, NH, kRing>;
+  constexpr int kStages = RG::kStages;
   extern __shared__ __align__(128) uint8_t ring_smem[];
-  __shared__ __align__(8) uint64_t ring_bar[kRing > 0 ? kWarps * kRing : 1];
-  const uint32_t ring0 = smem_u32(ring_smem) + warp * (kRing * RG::kStageBytes);
-  const uint32_t bar0 = smem_u32(&ring_bar[kRing > 0 ? warp * kRing : 0]);
+  __shared__ __align__(8) uint64_t ring_bar[kRing > 0 ? kWarps * kStages : 1];
+  const uint32_t ring0 = smem_u32(ring_smem) + warp * (kStages * RG::kStageBytes);
+  const uint32_t bar0 = smem_u32(&ring_bar[kRing > 0 ? warp * kStages : 0]);
+  // runs: whole steps as one copy each where the rows are dense (kRow / vRow: one row apart)
+  const bool runs = RG::kRuns && lean_pages && kRow == RG::kRowBytes && vRow == RG::kRowBytes;
   const int ring_tok = lane & 15;
   const bool ring_v = lane >= 16;
   constexpr int kRound = SUB * kStep;
@@ -222,17 +229,19 @@ decode_kernel(const DecodeParams p) {
 #pragma unroll
     for (int u = 0; u < SUB; ++u) {
       const int s = rs + u * kStep + ring_tok;
-      if (s >= first && s < w1) {
+      const bool whole = runs && s - ring_tok >= first && s - ring_tok + kStep <= w1;  // warp-uniform
+      if (whole ? ring_tok == 0 : s >= first && s < w1) {
         const int64_t off = s & (p.block_size - 1);
         const uint8_t* src = ring_v ? p.value_cache + pg[u] * p.v_stride0 + v_head + off * vRow
                                     : p.key_cache + pg[u] * p.k_stride0 + k_head + off * kRow;
-        bulk_copy_g2s(base + ((ring_v ? kRound : 0) + u * kStep + ring_tok) * RG::kPitch, src, RG::kRowBytes, bar);
+        bulk_copy_g2s(base + ((ring_v ? kRound : 0) + u * kStep + ring_tok) * RG::kPitch, src,
+                      whole ? kStep * RG::kRowBytes : RG::kRowBytes, bar);
       }
     }
   };
   auto ring_load = [&](int rs, int round) {
-    const int stage = round % (kRing > 0 ? kRing : 1);
-    mbar_wait_u32(bar0 + 8 * stage, (round / (kRing > 0 ? kRing : 1)) & 1);
+    const int stage = round % (kRing > 0 ? kStages : 1);
+    mbar_wait_u32(bar0 + 8 * stage, (round / (kRing > 0 ? kStages : 1)) & 1);
     const uint32_t base = ring0 + stage * RG::kStageBytes;
 #pragma unroll
     for (int u = 0; u < SUB; ++u) {
@@ -265,18 +274,18 @@ decode_kernel(const DecodeParams p) {
   if constexpr (kRing > 0) {
     if (lane == 0) {
 #pragma unroll
-      for (int j = 0; j < kRing; ++j) mbar_init(&ring_bar[warp * kRing + j], 1);
+      for (int j = 0; j < kStages; ++j) mbar_init(&ring_bar[warp * kStages + j], 1);
     }
     mbar_init_fence();
     __syncwarp();
 #pragma unroll
-    for (int j = 0; j < kRing - 1; ++j) {
+    for (int j = 0; j < kStages - 1; ++j) {
       if (j < n_rounds) {
         ring_pages(s_begin + j * kRound);
         ring_issue(s_begin + j * kRound, j);
       }
     }
-    if (kRing - 1 < n_rounds) ring_pages(s_begin + (kRing - 1) * kRound);
+    if (kStages - 1 < n_rounds) ring_pages(s_begin + (kStages - 1) * kRound);
   }
   // The first round of loads goes out before the query is read, so the two latencies overlap.
   if (kRing == 0 && s_begin < w1) {
@@ -371,10 +380,10 @@ decode_kernel(const DecodeParams p) {
   constexpr int kChains = (SUB == 1 && NH == 1 && LY::kKb >= 8) ? 2 : 1;
   for (int s_outer = s_begin, round = 0; s_outer < w1; s_outer += SUB * kStep, ++round) {
     if constexpr (kRing > 0) {
-      const int ahead = round + kRing - 1;  // refills the stage round - 1 read (its MMAs are issued)
+      const int ahead = round + kStages - 1;  // refills the stage round - 1 read (its MMAs are issued)
       if (ahead < n_rounds) {
         __syncwarp();
-        ring_issue(s_begin + ahead * kRound, ahead % kRing);
+        ring_issue(s_begin + ahead * kRound, ahead % kStages);
         if (ahead + 1 < n_rounds) ring_pages(s_begin + (ahead + 1) * kRound);
       }
       ring_load(s_outer, round);
