@@ -201,7 +201,7 @@ decode_kernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t ring_smem[];
   __shared__ __align__(8) uint64_t ring_bar[kRing > 0 ? kWarps * kStages : 1];
   const uint32_t ring0 = smem_u32(ring_smem) + warp * (kStages * RG::kStageBytes);
-  const uint32_t bar0 = smem_u32(&ring_bar[kRing > 0 ? warp * kStages : 0]);
+  uint64_t* const bar0 = &ring_bar[kRing > 0 ? warp * kStages : 0];
   // runs: whole steps as one copy each where the rows are dense (kRow / vRow: one row apart)
   const bool runs = RG::kRuns && lean_pages && kRow == RG::kRowBytes && vRow == RG::kRowBytes;
   const int ring_tok = lane & 15;
@@ -217,7 +217,8 @@ decode_kernel(const DecodeParams p) {
     }
   };
   auto ring_issue = [&](int rs, int stage) {
-    const uint32_t bar = bar0 + 8 * stage, base = ring0 + stage * RG::kStageBytes;
+    uint64_t* const bar = bar0 + stage;
+    const uint32_t base = ring0 + stage * RG::kStageBytes;
     int copied = 0;  // rows of the round (each token counted by its K lane and its V lane)
 #pragma unroll
     for (int u = 0; u < SUB; ++u) {
@@ -241,7 +242,7 @@ decode_kernel(const DecodeParams p) {
   };
   auto ring_load = [&](int rs, int round) {
     const int stage = round % (kRing > 0 ? kStages : 1);
-    mbar_wait_u32(bar0 + 8 * stage, (round / (kRing > 0 ? kStages : 1)) & 1);
+    mbar_wait(bar0 + stage, (round / (kRing > 0 ? kStages : 1)) & 1);
     const uint32_t base = ring0 + stage * RG::kStageBytes;
 #pragma unroll
     for (int u = 0; u < SUB; ++u) {
@@ -274,7 +275,7 @@ decode_kernel(const DecodeParams p) {
   if constexpr (kRing > 0) {
     if (lane == 0) {
 #pragma unroll
-      for (int j = 0; j < kStages; ++j) mbar_init(&ring_bar[warp * kStages + j], 1);
+      for (int j = 0; j < kStages; ++j) mbar_init(bar0 + j, 1);
     }
     mbar_init_fence();
     __syncwarp();
