@@ -87,15 +87,9 @@ def test_launcher_names_an_inconsistent_warp_rows_request():
     except ImportError:
         pytest.skip("the compiled module is not built here (no nvcc at install time)")
     # 16 query heads per KV head in one 16-head tile (head_tiles=1), with warp rows asked for
-    args = [2, 128] + [0] * 12 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1] + [0] * 4 + [0, 0, 0]  # strides, query_start_loc, ring, stream
+    args = [2, 128] + [0] * 12 + [0] * 7 + [1.0, 1.0, 1.0, 0.0, 0, 0, 1, 16, 1, 1, 16, 1024, 1, 0, 1, 1] + [0] * 4 + [0, 0]  # strides, query_start_loc, stream
     with pytest.raises(ValueError, match=r"warp_rows=1 needs one 8-head tile per CTA .*got head_tiles=1"):
         _C.paged_attention(*args)
-    # the bulk-copy ring: head 128, 2 or 3 stages, no warp rows
-    for head, ring, rows in ((64, 2, 0), (128, 4, 0), (128, 2, 1)):
-        bad = list(args)
-        bad[1], bad[-2], bad[36] = head, ring, rows
-        with pytest.raises(ValueError, match=rf"ring={ring}: the bulk-copy ring takes 2 or 3 stages"):
-            _C.paged_attention(*bad)
 
 
 # ---------------------------------------------------------------- on the GPU
@@ -173,48 +167,6 @@ def test_fp8_head_tiles_of_16(cache, head_size, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(launch, "HEAD_TILE", {1: 8, 2: 16})
             _check(case, max_seq_len=5000)
-
-
-@gpu
-@pytest.mark.parametrize("ring", ("ring2", "ring3", "runs2", "runs3"))
-@pytest.mark.parametrize("cache", (torch.bfloat16, torch.float16, *FP8_CACHES), ids=str)
-def test_bulk_copy_ring_gives_the_register_bits(cache, ring, monkeypatch):
-    """The bulk-copy ring (csrc/decode.cuh, BulkRing: sm_90, head 128) computes what the register loads
-    compute, bit for bit under the same split (its rows outside a warp's range are zeros, as there):
-    every block size, odd and empty lengths, GQA 1 / 4 / 16 (one and two head tiles), every feature with
-    a window, split-K with a one-shot call, NHD views; and within tolerance of float64."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the bulk-copy ring runs on sm_90 GPUs only")
-    from hal.kernelpacks.cuda import launch
-    monkeypatch.setattr(launch, "_resident", lambda *a, **k: 2)        # the same split for both loads
-    monkeypatch.setattr(launch, "warp_rows", lambda *a, **k: False)    # and the same kernel
-    rings = []
-    real_ring = launch._ring
-    monkeypatch.setattr(launch, "_ring", lambda *a: rings.append(real_ring(*a)) or rings[-1])
-    every = dict(alibi_slopes=alibi_slopes(32), logits_soft_cap=4.0, sliding_window=1300)
-    cases = [make_case(seq_lens=[1, 0, 33, 16, 129, 300, 2 * bs + 3], block_size=bs, num_heads=16, num_kv_heads=4,
-                       head_size=128, cache_dtype=cache, query_dtype=_query_for(cache), device="cuda", seed=bs)
-             for bs in _support().block_sizes]
-    cases.append(make_case(seq_lens=[0, 1, 18, 130, 5000], num_heads=32, num_kv_heads=2, head_size=128,
-                           cache_dtype=cache, query_dtype=_query_for(cache), per_head_scales=True, device="cuda",
-                           seed=3, **every))
-    cases.append(make_case(seq_lens=[7000, 3, 900], num_heads=8, num_kv_heads=8, head_size=128, block_size=64,
-                           cache_dtype=cache, query_dtype=_query_for(cache), device="cuda", seed=4))
-    for case in cases:
-        for views in (False, True):
-            kc, vc = (_nhd(case.key_cache), _nhd(case.value_cache)) if views else (case.key_cache, case.value_cache)
-            outs = []
-            for loads in ("registers", ring):
-                monkeypatch.setattr(launch, "DECODE_LOADS", loads)
-                rings.clear()
-                out = case.poisoned_out()
-                hal.paged_attention(case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=case.k_scale,
-                                    v_scale=case.v_scale, out=out, pack="cuda", **case.kwargs)
-                assert rings == [0 if loads == "registers" else int(ring[4:]) + 8 * ring.startswith("runs")]
-                outs.append(out)
-            assert torch.equal(outs[1], outs[0]), (case.block_size, views)
-            ok, msg = gpu_tolerance_ok(outs[1], case.reference())
-            assert ok, msg
 
 
 @gpu

@@ -156,18 +156,11 @@ def test_resident_ctas_per_sm_of_every_decode_kernel():
     for kind in range(4):
         for d in _C.head_sizes():
             for two, rows in ((False, False), (True, False), (False, True)):
-                n = _C.decode_ctas_per_sm(kind, d, two, rows, 0)
+                n = _C.decode_ctas_per_sm(kind, d, two, rows)
                 assert 1 <= n <= 16, (kind, d, two, rows, n)
-        assert _C.decode_ctas_per_sm(kind, 72, False, False, 0) == -1  # not compiled
-        # the bulk-copy ring: head 128 only, 2 or 3 stages, no warp rows; its shared memory allows 1-3 CTAs
-        if torch.cuda.get_device_capability()[0] == 9:
-            for two in (False, True):
-                for ring in (2, 3, 10, 11):
-                    assert 1 <= _C.decode_ctas_per_sm(kind, 128, two, False, ring) <= 3, (kind, two, ring)
-        assert _C.decode_ctas_per_sm(kind, 64, False, False, 2) == -1
-        assert _C.decode_ctas_per_sm(kind, 128, False, True, 2) == -1
+        assert _C.decode_ctas_per_sm(kind, 72, False, False) == -1  # not compiled
     # 128 registers a thread for 4 CTAs of 128 threads (decode.cuh's LoopConfig): one FP8 tile at head 128
-    assert _C.decode_ctas_per_sm(2, 128, False, False, 0) == 4
+    assert _C.decode_ctas_per_sm(2, 128, False, False) == 4
 
 
 # ---------------------------------------------------------------- MLA decode (mla.cuh, mla_reduce.cu)

@@ -55,7 +55,7 @@ def main() -> None:
             wide = launch.head_tile(prob.key_cache.element_size(), shape.head_size)
             two = shape.num_heads // shape.num_kv_heads > 8 and wide > 8
             kv = f"{kv}/{tile}" if tile else kv
-            occ = launch._C.decode_ctas_per_sm(launch.KINDS[prob.key_cache.dtype], shape.head_size, two, False, 0)
+            occ = launch._C.decode_ctas_per_sm(launch.KINDS[prob.key_cache.dtype], shape.head_size, two, False)
             print(f"{spec} {kv}: {'two head tiles' if two else 'one head tile'} a CTA, {occ} CTAs/SM resident")
             variants = [("table", None, "auto")]
             for p in [int(x) for x in a.parts.split(",") if x]:

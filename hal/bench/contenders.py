@@ -305,16 +305,6 @@ def _hal_cuda_narrow(p: Problem, opts: dict) -> Prepared:
     return _hal_cuda_kernel("MLA_KERNEL", "narrow", "csrc/mla_narrow.cuh")(p, opts)
 
 
-def _hal_cuda_ring(loads: str):
-    """The cuda pack's decode kernel with K/V brought in by the bulk-copy ring (csrc/decode.cuh, BulkRing;
-    sm_90 and head 128, else the register loads): ``loads`` as launch.DECODE_LOADS."""
-    def prepare(p: Problem, opts: dict) -> Prepared:
-        if p.op != DECODE:
-            raise Skip("decode problems only")
-        return _hal_cuda_kernel("DECODE_LOADS", loads, "csrc/decode.cuh bulk-copy ring")(p, opts)
-    return prepare
-
-
 def baseline_for(op: str) -> str:
     return BASELINES.get(op, BASELINE)
 
@@ -339,11 +329,6 @@ def all_contenders() -> list[Contender]:
                                  ops=frozenset({PREFILL, MLA})))
             out.append(Contender("hal:cuda-mma", "hal", "hal.mla_decode(pack='cuda') with the mma.sync kernel "
                                  "(csrc/mla.cuh) forced", _hal_cuda_mma, ops=frozenset({MLA})))
-            for loads in ("ring2", "ring3", "runs2", "runs3"):
-                how = "a copy a row" if loads.startswith("ring") else "a copy a dense 16-row step"
-                out.append(Contender(f"hal:cuda-{loads}", "hal", "hal.paged_attention(pack='cuda') with K/V through "
-                                     f"the bulk-copy ring, {loads[4:]} stages a warp, {how} (csrc/decode.cuh; sm_90, "
-                                     "head 128)", _hal_cuda_ring(loads), ops=frozenset({DECODE})))
             out.append(Contender("hal:cuda-narrow", "hal", "hal.mla_decode(pack='cuda') with the narrow kernel "
                                  "(csrc/mla_narrow.cuh) forced for 16-row tiles", _hal_cuda_narrow,
                                  ops=frozenset({MLA})))

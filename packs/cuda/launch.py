@@ -67,11 +67,6 @@ MLA_KERNEL = "auto"
 # a CTA per head (1x65536x16 bf16 55.9 -> 112.0 us, 64x4096x16 97.8 -> 101.8 us). The tests and the
 # bench set this.
 DECODE_MERGE = "auto"
-# How the decode kernel brings K/V in: "registers" (16-byte loads straight into MMA fragments) or
-# "ring2" / "ring3" (the bulk-copy ring of csrc/decode.cuh, BulkRing: cp.async.bulk rows into a shared-memory
-# ring of that many stages a warp; sm_90 GPUs, head size 128, not with warp rows, else registers), or "runs2" /
-# "runs3" (the same ring, a dense step in two copies instead of 32). The tests and the bench set this.
-DECODE_LOADS = "registers"
 # The largest (query heads a CTA x partitions) a plan's decode merges in the kernel under "auto": the
 # merging CTA reads that many partial rows alone. Measured faster up to 4 x 64 (1x131072x32x8 bf16);
 # MLA's 16 x 2 rows of 512 were slower, so larger merges keep the reduce launch.
@@ -108,38 +103,24 @@ def _device_facts(index: int) -> tuple[int, str]:
 
 
 @functools.cache
-def _resident(index: int, kind: int, head_size: int, two_tiles: bool, ring: int = 0) -> int | None:
+def _resident(index: int, kind: int, head_size: int, two_tiles: bool) -> int | None:
     """Resident CTAs per SM of the decode kernel (the CUDA occupancy API, once per kernel and device)."""
     with torch.cuda.device(index):
-        n = _C.decode_ctas_per_sm(kind, head_size, two_tiles, False, ring)
+        n = _C.decode_ctas_per_sm(kind, head_size, two_tiles, False)
     return n if n > 0 else None
 
 
-def _ring(device: torch.device, head_size: int, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
-    """Stages of the bulk-copy ring a decode launch asks for (DECODE_LOADS), or 0 (registers) where the
-    ring cannot run: not an sm_90 GPU, a head size other than 128, a cache not 16-byte aligned."""
-    if DECODE_LOADS[:4] not in ("ring", "runs") or head_size != 128:
-        return 0
-    if _device_facts(_device_index(device))[1] != "sm_90":
-        return 0
-    if any(c.data_ptr() % 16 or c.stride(0) * c.element_size() % 16 for c in (key_cache, value_cache)):
-        return 0
-    return int(DECODE_LOADS[4:]) + (8 if DECODE_LOADS.startswith("runs") else 0)
-
-
 def plan(num_seqs: int, num_kv_heads: int, head_tiles: int, max_len: int, device: torch.device,
-         cache_dtype: torch.dtype, one_tile: bool = True, head_size: int = 128, ring: int = 0) -> tuple[int, int, bool]:
+         cache_dtype: torch.dtype, one_tile: bool = True, head_size: int = 128) -> tuple[int, int, bool]:
     """(partition_size, num_parts, warp_rows) for a call, from this GPU's tuning entry (see
     tuning.split and tuning.warp_rows) and the resident CTAs of the kernel it takes. ``one_tile``: a
-    CTA serves one 8-head MMA tile (warp rows need it; else two tiles share each K/V fragment).
-    ``ring``: the bulk-copy ring's stages (0: none); a ring launch takes no warp rows."""
+    CTA serves one 8-head MMA tile (warp rows need it; else two tiles share each K/V fragment)."""
     index = _device_index(device)
     sms, arch = _device_facts(index)
     params = tuning_for(arch, shape_class(cache_dtype, max_len))
     rows = num_seqs * num_kv_heads * head_tiles
-    size, parts = split(rows, max_len, sms, params,
-                        _resident(index, KINDS[cache_dtype], head_size, not one_tile, ring))
-    return size, parts, not ring and one_tile and parts == 1 and warp_rows(rows, sms, params)
+    size, parts = split(rows, max_len, sms, params, _resident(index, KINDS[cache_dtype], head_size, not one_tile))
+    return size, parts, one_tile and parts == 1 and warp_rows(rows, sms, params)
 
 
 def _on(device: torch.device):
@@ -187,15 +168,14 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
     dev = query.device
     max_len = max_seq_len  # a host int: resolved once by validation (hal.ops.paged_attention.check)
     tile = head_tile(key_cache.element_size(), d)
-    ring = _ring(dev, d, key_cache, value_cache)
-    if not ring and tile > 8 and h // hkv > 8 and key_cache.element_size() == 1:
+    if tile > 8 and h // hkv > 8 and key_cache.element_size() == 1:
         # FP8 with many short rows: where 8-head tiles would take warp rows, they beat 16-head CTAs
         # (H100, 2026-12-05: 128x2048 and 256x1024 at GQA 16, 0.80 / 0.74 of copy against 0.67 / 0.52)
         if plan(n, hkv, -(-(h // hkv) // 8), max_len, dev, key_cache.dtype, one_tile=True, head_size=d)[2]:
             tile = 8
     head_tiles = -(-(h // hkv) // tile)
     size, parts, wrows = plan(n, hkv, head_tiles, max_len, dev, key_cache.dtype,
-                              one_tile=head_tiles * 8 >= h // hkv, head_size=d, ring=ring)
+                              one_tile=head_tiles * 8 >= h // hkv, head_size=d)
     if parts > 1:
         part_out = torch.empty((n, h, parts, d), dtype=torch.float32, device=dev)
         part_ml = torch.empty((n, h, parts, 2), dtype=torch.float32, device=dev)
@@ -223,7 +203,7 @@ def _paged_attention_args(out, query, key_cache, value_cache, block_tables, seq_
         0.0 if logits_soft_cap is None else float(logits_soft_cap), kss, vss, n, h, hkv, head_tiles, bs,
         size, parts, 0 if sliding_window is None else sliding_window, int(query.dtype == torch.bfloat16),
         int(wrows), *_row_strides(key_cache, "key_cache"), *_row_strides(value_cache, "value_cache"),
-        0 if query_start_loc is None else query_start_loc.data_ptr(), ring]
+        0 if query_start_loc is None else query_start_loc.data_ptr()]
     return args, workspace
 
 

@@ -194,8 +194,7 @@ static DecodeLaunch make_decode(
     int64_t k_stride0, int64_t v_stride0, int64_t bt_stride0, float scale, float k_scale, float v_scale,
     float soft_cap, int k_scale_stride, int v_scale_stride, int num_seqs, int num_heads, int num_kv_heads,
     int head_tiles, int block_size, int partition_size, int num_parts, int window, int q_is_bf16, int warp_rows,
-    int64_t k_head_stride, int64_t k_row, int64_t v_head_stride, int64_t v_row, std::uintptr_t query_start_loc,
-    int ring) {
+    int64_t k_head_stride, int64_t k_row, int64_t v_head_stride, int64_t v_row, std::uintptr_t query_start_loc) {
   DecodeLaunch l{kind, head_size, {}};
   DecodeParams& p = l.p;
   p.out = ptr<void>(out);
@@ -222,12 +221,6 @@ static DecodeLaunch make_decode(
   p.block_shift = block_shift(block_size);
   p.partition_size = partition_size; p.num_parts = num_parts; p.window = window; p.q_is_bf16 = q_is_bf16;
   p.warp_rows = warp_rows;
-  p.ring = ring;
-  if (ring && ((ring != 2 && ring != 3 && ring != 10 && ring != 11) || warp_rows || head_size != 128)) {
-    throw std::invalid_argument("ring=" + std::to_string(ring) + ": the bulk-copy ring takes 2 or 3 stages (+ 8 for "
-                                "whole-step copies), head size 128 and no warp rows (head_size=" +
-                                std::to_string(head_size) + ", warp_rows=" + std::to_string(warp_rows) + ")");
-  }
   if (warp_rows && head_tiles * 8 < p.gqa) {
     throw std::invalid_argument("warp_rows=1 needs one 8-head tile per CTA (head_tiles * 8 >= " +
                                 std::to_string(p.gqa) + " query heads per KV head); got head_tiles=" +
@@ -342,14 +335,14 @@ PYBIND11_MODULE(_C, m) {
 #undef HAL_ITEM
     return l;
   });
-  // resident CTAs per SM of the decode kernel for (cache kind, head size, two head tiles, warp rows, ring
-  // stages or 0) on the current device; -1 where the head size is not compiled or the query failed
-  m.def("decode_ctas_per_sm", [](int kind, int head_size, bool two, bool rows, int ring) {
+  // resident CTAs per SM of the decode kernel for (cache kind, head size, two head tiles, warp rows) on
+  // the current device; -1 where the head size is not compiled or the query failed
+  m.def("decode_ctas_per_sm", [](int kind, int head_size, bool two, bool rows) {
     switch (kind) {
-      case 0: return decode_ctas_per_sm_f16(head_size, two, rows, ring);
-      case 1: return decode_ctas_per_sm_bf16(head_size, two, rows, ring);
-      case 2: return decode_ctas_per_sm_e4m3(head_size, two, rows, ring);
-      case 3: return decode_ctas_per_sm_e5m2(head_size, two, rows, ring);
+      case 0: return decode_ctas_per_sm_f16(head_size, two, rows);
+      case 1: return decode_ctas_per_sm_bf16(head_size, two, rows);
+      case 2: return decode_ctas_per_sm_e4m3(head_size, two, rows);
+      case 3: return decode_ctas_per_sm_e5m2(head_size, two, rows);
       default: return -1;
     }
   });

@@ -93,25 +93,6 @@ __device__ __forceinline__ void load_bytes(const uint8_t* p, uint32_t* w) {
   }
 }
 
-// The same loads from shared memory (a 32-bit shared address). Volatile: they must stay after the
-// mbarrier wait that made the bytes visible (decode.cuh's bulk-copy ring).
-template <int N>
-__device__ __forceinline__ void load_bytes_shared(uint32_t a, uint32_t* w) {
-  if constexpr (N == 16) {
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(a));
-  } else if constexpr (N == 8) {
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(a));
-  } else if constexpr (N == 4) {
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(a));
-  } else if constexpr (N == 2) {
-    uint16_t h;
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(h) : "r"(a));
-    w[0] = h;
-  } else {
-    static_assert(N == 16, "unsupported load width");
-  }
-}
-
 // An 8-byte shared-memory load the compiler may not hoist out of a loop (which would pin the value
 // in registers for the whole loop).
 __device__ __forceinline__ uint2 lds_u2(const uint2* p) {

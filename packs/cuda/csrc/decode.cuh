@@ -19,7 +19,6 @@
 #include "layout.cuh"
 #include "merge.cuh"
 #include "params.h"
-#include "sync.cuh"
 
 namespace hal_cuda {
 
@@ -39,35 +38,11 @@ template <Kind K, int D, int NH> struct LoopConfig {
   static constexpr int kMinBlocks = (NH == 1 && D <= 128) ? 4 : (Traits<K>::kFp8 && D <= 128) ? 2 : 1;
 };
 
-// The bulk-copy ring (kRing > 0 stages a warp; sm_90): K/V rows reach shared memory by cp.async.bulk,
-// one row a lane, counted on an mbarrier per stage, kRing - 1 load rounds ahead of the warp's MMAs;
-// the fragments are then read from shared memory with the same per-thread bytes as the register path.
-// Rows are kPitch apart (16 bytes past the row): the V fragment reads (rows 2t.. of 8 lanes) hit
-// distinct banks. Each warp owns its stages, so no CTA-wide synchronisation is needed in the loop.
-// kRing = stages, + 8 for "runs": a step whose 16 rows are contiguous in the cache (HND, one page, all
-// in range) comes in two copies (K and V) instead of 32, into unpadded rows (bank conflicts instead).
-template <Kind K, int D, int NH, int kRing> struct BulkRing {
-  static constexpr int kStages = kRing & 7;
-  static constexpr bool kRuns = kRing >= 8;
-  static constexpr int kSub = LoopConfig<K, D, NH>::kSub;
-  static constexpr int kRowBytes = D * Traits<K>::kBytes;
-  static constexpr int kPitch = kRuns ? kRowBytes : kRowBytes + 16;
-  static constexpr int kStageBytes = 2 * kSub * kStep * kPitch;  // K rows, then V rows of one load round
-  static constexpr int kCtaBytes = kRing > 0 ? kWarps * kStages * kStageBytes : 0;  // dynamic shared memory
-  // resident CTAs the shared memory allows (228 KiB an SM, ~4 KiB static and 1 KiB reserved a CTA)
-  static constexpr int kFit = kRing > 0 ? (228 * 1024) / (kCtaBytes + 5 * 1024) : 4;
-  static constexpr int kMinBlocks = kFit < 1 ? 1 : kFit > 4 ? 4 : kFit;
-  static_assert(kRing == 0 || kRowBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
-};
-
-template <Kind K, int D, int NH, bool kPlain, bool kRows, int kRing>
-__global__ void __launch_bounds__(kThreads, (kRing > 0 ? BulkRing<K, D, NH, kRing>::kMinBlocks : LoopConfig<K, D, NH>::kMinBlocks))
-decode_kernel(const DecodeParams p) {
+template <Kind K, int D, int NH, bool kPlain, bool kRows>
+__global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) decode_kernel(const DecodeParams p) {
   // kPlain: no soft-cap and no ALiBi (the common case compiles without their branches).
   // kRows: warp rows (below); a template flag so the other kernel keeps its registers.
-  // kRing: 0 loads K/V straight into registers; > 0 through the bulk-copy ring (BulkRing).
   static_assert(!kRows || NH == 1, "warp rows serve one head tile");
-  static_assert(!kRows || kRing == 0, "warp rows load into registers");
   constexpr int SUB = LoopConfig<K, D, NH>::kSub;
   constexpr float kSlack = 8.f;
   // NH tiles of 8 query heads (the MMA's N) share every K/V fragment.
@@ -194,102 +169,8 @@ decode_kernel(const DecodeParams p) {
       }
     }
   };
-  // ---- the bulk-copy ring (kRing > 0): lane l copies token l % 16 of each step, K rows from lanes
-  // 0-15 and V rows from 16-31; rows outside [first, w1) are not copied and read as zeros ----
-  using RG = BulkRing<K, D, NH, kRing>;
-  constexpr int kStages = RG::kStages;
-  extern __shared__ __align__(128) uint8_t ring_smem[];
-  __shared__ __align__(8) uint64_t ring_bar[kRing > 0 ? kWarps * kStages : 1];
-  const uint32_t ring0 = smem_u32(ring_smem) + warp * (kStages * RG::kStageBytes);
-  uint64_t* const bar0 = &ring_bar[kRing > 0 ? warp * kStages : 0];
-  // runs: whole steps as one copy each where the rows are dense (kRow / vRow: one row apart)
-  const bool runs = RG::kRuns && lean_pages && kRow == RG::kRowBytes && vRow == RG::kRowBytes;
-  const int ring_tok = lane & 15;
-  const bool ring_v = lane >= 16;
-  constexpr int kRound = SUB * kStep;
-  const int n_rounds = s_begin < w1 ? (w1 - s_begin + kRound - 1) / kRound : 0;
-  int pg[SUB];  // this lane's page ids of the next round to issue (read a round ahead)
-  auto ring_pages = [&](int rs) {
-#pragma unroll
-    for (int u = 0; u < SUB; ++u) {
-      const int s = rs + u * kStep + ring_tok;
-      pg[u] = s >= first && s < w1 ? table[s >> p.block_shift] : 0;
-    }
-  };
-  auto ring_issue = [&](int rs, int stage) {
-    uint64_t* const bar = bar0 + stage;
-    const uint32_t base = ring0 + stage * RG::kStageBytes;
-    int copied = 0;  // rows of the round (each token counted by its K lane and its V lane)
-#pragma unroll
-    for (int u = 0; u < SUB; ++u) {
-      const int s = rs + u * kStep + ring_tok;
-      copied += __popc(__ballot_sync(0xffffffffu, s >= first && s < w1));
-    }
-    if (lane == 0) mbar_arrive_expect_tx(bar, copied * RG::kRowBytes);
-    __syncwarp();
-#pragma unroll
-    for (int u = 0; u < SUB; ++u) {
-      const int s = rs + u * kStep + ring_tok;
-      const bool whole = runs && s - ring_tok >= first && s - ring_tok + kStep <= w1;  // warp-uniform
-      if (whole ? ring_tok == 0 : s >= first && s < w1) {
-        const int64_t off = s & (p.block_size - 1);
-        const uint8_t* src = ring_v ? p.value_cache + pg[u] * p.v_stride0 + v_head + off * vRow
-                                    : p.key_cache + pg[u] * p.k_stride0 + k_head + off * kRow;
-        bulk_copy_g2s(base + ((ring_v ? kRound : 0) + u * kStep + ring_tok) * RG::kPitch, src,
-                      whole ? kStep * RG::kRowBytes : RG::kRowBytes, bar);
-      }
-    }
-  };
-  auto ring_load = [&](int rs, int round) {
-    const int stage = round % (kRing > 0 ? kStages : 1);
-    mbar_wait(bar0 + stage, (round / (kRing > 0 ? kStages : 1)) & 1);
-    const uint32_t base = ring0 + stage * RG::kStageBytes;
-#pragma unroll
-    for (int u = 0; u < SUB; ++u) {
-      const int s0 = rs + u * kStep;
-      const uint32_t kp = base + u * kStep * RG::kPitch, vp = base + (kRound + u * kStep) * RG::kPitch;
-      LY::load_k_row(kp + g * RG::kPitch, t, kr[u][0]);
-      LY::load_k_row(kp + (g + 8) * RG::kPitch, t, kr[u][1]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) LY::load_v_row(vp + (2 * t + (i & 1) + 8 * (i >> 1)) * RG::kPitch, g, vr[u][i]);
-      if (!(s0 >= first && s0 + kStep <= w1)) {
-#pragma unroll
-        for (int h8 = 0; h8 < 2; ++h8) {
-          const int s = s0 + 8 * h8 + g;
-          if (!(s >= first && s < w1)) {
-#pragma unroll
-            for (int j = 0; j < LY::kKWords; ++j) kr[u][h8][j] = 0u;
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int s = s0 + 2 * t + (i & 1) + 8 * (i >> 1);
-          if (!(s >= first && s < w1)) {
-#pragma unroll
-            for (int j = 0; j < LY::kVWords; ++j) vr[u][i][j] = 0u;
-          }
-        }
-      }
-    }
-  };
-  if constexpr (kRing > 0) {
-    if (lane == 0) {
-#pragma unroll
-      for (int j = 0; j < kStages; ++j) mbar_init(bar0 + j, 1);
-    }
-    mbar_init_fence();
-    __syncwarp();
-#pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) {
-      if (j < n_rounds) {
-        ring_pages(s_begin + j * kRound);
-        ring_issue(s_begin + j * kRound, j);
-      }
-    }
-    if (kStages - 1 < n_rounds) ring_pages(s_begin + (kStages - 1) * kRound);
-  }
   // The first round of loads goes out before the query is read, so the two latencies overlap.
-  if (kRing == 0 && s_begin < w1) {
+  if (s_begin < w1) {
     prefetch_pages(s_begin);
 #pragma unroll
     for (int u = 0; u < SUB; ++u) load_step(u, s_begin + u * kStep);
@@ -379,16 +260,8 @@ decode_kernel(const DecodeParams p) {
   // independent accumulator chains (one per step, or split over k-blocks when SUB is 1) so the
   // tensor-core latency overlaps.
   constexpr int kChains = (SUB == 1 && NH == 1 && LY::kKb >= 8) ? 2 : 1;
-  for (int s_outer = s_begin, round = 0; s_outer < w1; s_outer += SUB * kStep, ++round) {
-    if constexpr (kRing > 0) {
-      const int ahead = round + kStages - 1;  // refills the stage round - 1 read (its MMAs are issued)
-      if (ahead < n_rounds) {
-        __syncwarp();
-        ring_issue(s_begin + ahead * kRound, ahead % kStages);
-        if (ahead + 1 < n_rounds) ring_pages(s_begin + (ahead + 1) * kRound);
-      }
-      ring_load(s_outer, round);
-    } else if (s_outer != s_begin) {
+  for (int s_outer = s_begin; s_outer < w1; s_outer += SUB * kStep) {
+    if (s_outer != s_begin) {
 #pragma unroll
       for (int u = 0; u < SUB; ++u) load_step(u, s_outer + u * kStep);
       prefetch_pages(s_outer + SUB * kStep);
@@ -566,9 +439,7 @@ decode_kernel(const DecodeParams p) {
 
   // ---- merge the four warps through shared memory ----
   __shared__ float sm_m[kWarps][16], sm_l[kWarps][16];
-  // the partial outputs: in the ring's shared memory once the loop is done (every copy landed)
-  __shared__ float so_static[kRing > 0 ? 1 : 16][D];
-  float (*so)[D] = kRing > 0 ? reinterpret_cast<float (*)[D]>(ring_smem) : so_static;
+  __shared__ float so[16][D];
 #pragma unroll
   for (int nh = 0; nh < NH; ++nh)
 #pragma unroll

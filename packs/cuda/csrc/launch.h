@@ -12,10 +12,10 @@ int launch_decode_f16(int head_size, const DecodeParams& p, cudaStream_t stream)
 int launch_decode_bf16(int head_size, const DecodeParams& p, cudaStream_t stream);
 int launch_decode_e4m3(int head_size, const DecodeParams& p, cudaStream_t stream);
 int launch_decode_e5m2(int head_size, const DecodeParams& p, cudaStream_t stream);
-int decode_ctas_per_sm_f16(int head_size, bool two, bool rows, int ring);
-int decode_ctas_per_sm_bf16(int head_size, bool two, bool rows, int ring);
-int decode_ctas_per_sm_e4m3(int head_size, bool two, bool rows, int ring);
-int decode_ctas_per_sm_e5m2(int head_size, bool two, bool rows, int ring);
+int decode_ctas_per_sm_f16(int head_size, bool two, bool rows);
+int decode_ctas_per_sm_bf16(int head_size, bool two, bool rows);
+int decode_ctas_per_sm_e4m3(int head_size, bool two, bool rows);
+int decode_ctas_per_sm_e5m2(int head_size, bool two, bool rows);
 // Multi-token attention (prefill.cuh); max_query_len sizes the grid (host int: no device read).
 int launch_prefill_f16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
 int launch_prefill_bf16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);

@@ -31,36 +31,31 @@ struct Layout {
   // The head dim that output column n (thread group n) of n8 tile nt stands for.
   static __device__ __forceinline__ int vdim(int n, int nt) { return (nt / kW) * (8 * kW) + n * kW + (nt % kW); }
 
-  // A row is a global pointer (const uint8_t*) or a 32-bit shared-memory address (uint32_t: the
-  // bulk-copy ring of decode.cuh); the bytes each thread takes are the same.
-  template <int N, class A> static __device__ __forceinline__ void load(A p, uint32_t* w) {
-    if constexpr (sizeof(A) == 4) load_bytes_shared<N>(p, w); else load_bytes<N>(p, w);
-  }
-  template <class A> static __device__ __forceinline__ void load_k_row(A row, int t, uint32_t (&w)[kKWords]) {
+  static __device__ __forceinline__ void load_k_row(const uint8_t* row, int t, uint32_t (&w)[kKWords]) {
 #pragma unroll
-    for (int c = 0; c < kFull; ++c) load<16>(row + (c * kChunk + kEpl * t) * kBpe, &w[c * 4]);
+    for (int c = 0; c < kFull; ++c) load_bytes<16>(row + (c * kChunk + kEpl * t) * kBpe, &w[c * 4]);
     if constexpr (kTailKb > 0) {
       constexpr int bytes = 4 * kTailKb * kBpe;
-      const A p = row + (kFull * kChunk + 4 * kTailKb * t) * kBpe;
+      const uint8_t* p = row + (kFull * kChunk + 4 * kTailKb * t) * kBpe;
       if constexpr (bytes == 12) {
-        load<4>(p, &w[kFull * 4]);
-        load<4>(p + 4, &w[kFull * 4 + 1]);
-        load<4>(p + 8, &w[kFull * 4 + 2]);
+        load_bytes<4>(p, &w[kFull * 4]);
+        load_bytes<4>(p + 4, &w[kFull * 4 + 1]);
+        load_bytes<4>(p + 8, &w[kFull * 4 + 2]);
       } else {
-        load<bytes>(p, &w[kFull * 4]);
+        load_bytes<bytes>(p, &w[kFull * 4]);
       }
     }
   }
-  template <class A> static __device__ __forceinline__ void load_v_row(A row, int g, uint32_t (&w)[kVWords]) {
+  static __device__ __forceinline__ void load_v_row(const uint8_t* row, int g, uint32_t (&w)[kVWords]) {
     constexpr int pb = kW * kBpe;  // bytes per piece
 #pragma unroll
     for (int i = 0; i < kNt / kW; ++i) {
-      const A p = row + (i * 8 * kW + g * kW) * kBpe;
+      const uint8_t* p = row + (i * 8 * kW + g * kW) * kBpe;
       if constexpr (pb >= 4) {
-        load<pb>(p, &w[i * pb / 4]);
+        load_bytes<pb>(p, &w[i * pb / 4]);
       } else {  // 2-byte pieces, two to a word
         uint32_t h;
-        load<2>(p, &h);
+        load_bytes<2>(p, &h);
         if (i % 2 == 0) w[i / 2] = h; else w[i / 2] |= h << 16;
       }
     }

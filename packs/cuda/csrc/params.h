@@ -33,8 +33,6 @@ struct DecodeParams {
   int partition_size, num_parts, window;  // window <= 0: off
   int q_is_bf16;                // query/out dtype: 1 bf16, 0 fp16
   int warp_rows;                // 1: each warp serves its own (sequence, KV head); grid x = rows / 4
-  int ring;                     // 0: K/V loads into registers; 2 or 3: stages of the bulk-copy ring,
-                                // + 8: whole-step copies (sm_90, head size 128, no warp rows; BulkRing)
 };
 
 // Multi-token paged attention (prefill.cuh): rows of sequence i are query rows query_start_loc[i] ..
