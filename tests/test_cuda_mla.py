@@ -214,8 +214,9 @@ def test_forced_wgmma_kernel_graph_replay_equals_eager(monkeypatch):
 
 # launch.MLA_KERNEL = "narrow": csrc/mla_narrow.cuh for 16-row tiles (up to 16 rows a sequence; every arch).
 # Cases: (seq_lens, q_lens or None, heads, block_size): odd lengths and tokens past a tile's end, row
-# padding (1 head; 5 heads x 3 tokens = 15 rows), every block size class (one page a tile or a lookup a
-# token), a context cut into partitions (merged by the reduce launch), empty sequences.
+# padding (1 head; 5 heads x 3 tokens = 15 rows), every block size class of the tile loads (a tile in
+# one page from its first row or from a later one, a page every 8-32 tokens, a lookup a token under 8),
+# a context cut into partitions (merged by the reduce launch), empty sequences.
 NARROW_MLA_CASES = {
     "16-heads": ([77, 5, 300, 1], None, 16, 16),
     "1-head": ([129, 31], None, 1, 32),

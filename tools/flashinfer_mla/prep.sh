@@ -42,7 +42,7 @@ export PATH="$CUDA_HOME/bin:$PATH"
 # 1. flashinfer and what it imports, into a private site directory (nothing installed elsewhere)
 say "installing flashinfer-python $FI_VER into $WORK/site"
 extra=()
-for m in jinja2 click tqdm requests packaging numpy; do
+for m in jinja2 markupsafe click tqdm requests urllib3 idna certifi charset_normalizer packaging numpy; do
   "$PYTHON" -c "import $m" 2>/dev/null || extra+=("$m")
 done
 "$PYTHON" -m pip install -q --disable-pip-version-check --target "$WORK/site" --no-deps \

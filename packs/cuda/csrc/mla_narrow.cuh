@@ -110,29 +110,53 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   // ---- the K/V tile loads: tokens s + 8j + g, j < NJ, into registers ----
   const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
   const int bmask = p.block_size - 1;
-  const bool one_page = p.block_size >= N;  // a tile starts at a multiple of N: one page
-  uint32_t nxt[NJ][W], nxr[NJ];
-  auto load_tile = [&](int s) {
-    int64_t page = one_page ? table[s >> p.block_shift] : 0;
+  const int64_t ckv_step = 8 * p.ckv_token_stride, kpe_step = 8 * p.kpe_token_stride;  // token g -> g + 8
+  // A whole tile over pages of >= 8 tokens (the common case) walks two pointers 8 tokens a step and
+  // looks a page up only where one starts: tiles start at multiples of N, so a tile either lies in one
+  // page from row s mod block_size (pages of more than N tokens) or starts a page (N or fewer), and
+  // token s + 8j + g is in page slot (s + 8j) / block_size. A tile past the partition's end or over
+  // smaller pages takes the general path, a lookup and a bounds check a token.
+  auto load_tile = [&](int s, uint32_t (&dst)[NJ][W], uint32_t (&dr)[NJ]) {
+    if (p.block_size >= 8 && s + N <= p1) {
+      const int* tp = table + (s >> p.block_shift);
+      const uint8_t* c = nullptr;
+      const uint8_t* r = nullptr;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        if (((8 * j) & bmask) == 0) {
+          const int64_t page = tp[(8 * j) >> p.block_shift];
+          const int64_t row = (int64_t)((s & bmask) + g);
+          c = p.ckv + page * p.ckv_block_stride + row * p.ckv_token_stride + col0 * Traits<K>::kBytes;
+          r = p.kpe + page * p.kpe_block_stride + row * p.kpe_token_stride + rope0 * 2;
+        }
+        load_bytes<16>(c, dst[j]);
+        if constexpr (W == 8) load_bytes<16>(c + 16, dst[j] + 4);
+        dr[j] = __ldg(reinterpret_cast<const uint32_t*>(r));
+        c += ckv_step;
+        r += kpe_step;
+      }
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int pos = s + 8 * j + g;
       if (pos < p1) {
-        if (!one_page) page = table[pos >> p.block_shift];
+        const int64_t page = table[pos >> p.block_shift];
         const int64_t off = (int64_t)(pos & bmask);
         const uint8_t* c = p.ckv + page * p.ckv_block_stride + off * p.ckv_token_stride + col0 * Traits<K>::kBytes;
-        load_bytes<16>(c, nxt[j]);
-        if constexpr (W == 8) load_bytes<16>(c + 16, nxt[j] + 4);
-        nxr[j] = __ldg(reinterpret_cast<const uint32_t*>(p.kpe + page * p.kpe_block_stride + off * p.kpe_token_stride) + rope0 / 2);
+        load_bytes<16>(c, dst[j]);
+        if constexpr (W == 8) load_bytes<16>(c + 16, dst[j] + 4);
+        dr[j] = __ldg(reinterpret_cast<const uint32_t*>(p.kpe + page * p.kpe_block_stride + off * p.kpe_token_stride) + rope0 / 2);
       } else {
 #pragma unroll
-        for (int i = 0; i < W; ++i) nxt[j][i] = 0u;
-        nxr[j] = 0u;
+        for (int i = 0; i < W; ++i) dst[j][i] = 0u;
+        dr[j] = 0u;
       }
     }
   };
+  uint32_t buf0[NJ][W], rb0[NJ], buf1[NJ][W], rb1[NJ];  // this tile and the next, in turn
   const int ntiles = p1 > p0 ? (p1 - p0 + N - 1) / N : 0;
-  if (ntiles > 0) load_tile(p0);  // in flight while Q is read
+  if (ntiles > 0) load_tile(p0, buf0, rb0);  // in flight while Q is read
 
   // ---- Q: rows g, g + 8; latent columns col0..col0+15 (permuted into k steps), rope columns rope0, +1 ----
   uint32_t qw[2][8], qr[2];
@@ -190,17 +214,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   float m2 = -INFINITY, l2 = 0.f;  // row hr: running max (log2 units) and this lane's share of the sum
   const uint32_t pa = smem_addr(&s_p[lane & 15][(lane >> 4) * 8]);
 
-  for (int it = 0; it < ntiles; ++it) {
-    const int s = p0 + it * N;
-    uint32_t cur[NJ][W], cr[NJ];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      cr[j] = nxr[j];
-#pragma unroll
-      for (int i = 0; i < W; ++i) cur[j][i] = nxt[j][i];
-    }
-    if (it + 1 < ntiles) load_tile(s + N);
-
+  // One tile: S, the softmax and O += P V over the latent in cur / cr (tokens s..s+N).
+  auto tile = [&](int s, const uint32_t (&cur)[NJ][W], const uint32_t (&cr)[NJ]) {
     // ---- this warp's partial S (16 rows x N tokens): rope k8 slice, scaled, then 4 latent k steps ----
     uint32_t v[NJ][4][2];  // V's B fragments (transposed K fragments): [token n8][k step][half]
 #pragma unroll
@@ -213,8 +228,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
       for (int kk = 0; kk < 4; ++kk) {
         uint32_t b0, b1;
         if constexpr (kFp8) {
-          b0 = fp8x2_to_f16x2<K>(cur[j][kk] & 0xffffu);
-          b1 = fp8x2_to_f16x2<K>(cur[j][kk] >> 16);
+          b0 = fp8x2_to_f16x2<K>(cur[j][kk]);
+          b1 = fp8x2_hi_to_f16x2<K>(cur[j][kk]);
         } else {
           b0 = cur[j][2 * kk], b1 = cur[j][2 * kk + 1];
         }
@@ -288,6 +303,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
 #pragma unroll
         for (int h = 0; h < 2; ++h) mma16816<kNopeBf16>(o[kk][h], a, v[2 * J][kk][h], v[2 * J + 1][kk][h]);
     }
+  };
+  for (int it = 0; it < ntiles; ++it) {
+    const int s = p0 + it * N;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      rb1[j] = rb0[j];
+#pragma unroll
+      for (int i = 0; i < W; ++i) buf1[j][i] = buf0[j][i];
+    }
+    if (it + 1 < ntiles) load_tile(s + N, buf0, rb0);
+    tile(s, buf1, rb1);
   }
 
   // ---- row sums (16 lanes a row), then the output or this partition's partial ----
