@@ -19,26 +19,18 @@ template <> struct Traits<Kind::E4M3> { static constexpr int kBytes = 1; static 
 template <> struct Traits<Kind::E5M2> { static constexpr int kBytes = 1; static constexpr bool kFp8 = true;  static constexpr bool kBf16Math = false; };
 
 // Two FP8 values to an f16x2 register (the first byte -> the low half), with the hardware conversion:
-// bytes 0-1 of `four` (fp8x2_to_f16x2) or bytes 2-3 (fp8x2_hi_to_f16x2). Both split the word with
-// mov.b32 {lo, hi}, which ptxas turns into an operand selector (F2FP ... R.H1): `x >> 16` would cost a
-// shift an upper pair.
-template <Kind K>
+// bytes 0-1 of `four`, or bytes 2-3 with kHigh. The word is split with mov.b32 {lo, hi}, which ptxas
+// turns into an operand selector (F2FP ... R.H1), where `x >> 16` cost a shift an upper pair.
+template <Kind K, bool kHigh = false>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t four) {
+  uint16_t lo, hi;
+  asm("mov.b32 {%0, %1}, %2;" : "=h"(lo), "=h"(hi) : "r"(four));
+  const uint16_t h = kHigh ? hi : lo;
   uint32_t r;
   if constexpr (K == Kind::E4M3) {
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(r) : "r"(four));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(h));
   } else {
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e5m2x2 %0, lo;\n}" : "=r"(r) : "r"(four));
-  }
-  return r;
-}
-template <Kind K>
-__device__ __forceinline__ uint32_t fp8x2_hi_to_f16x2(uint32_t four) {
-  uint32_t r;
-  if constexpr (K == Kind::E4M3) {
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(r) : "r"(four));
-  } else {
-    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e5m2x2 %0, hi;\n}" : "=r"(r) : "r"(four));
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(h));
   }
   return r;
 }

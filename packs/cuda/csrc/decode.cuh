@@ -283,8 +283,8 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
         if constexpr (kFp8) {
           a[0] = fp8x2_to_f16x2<K>(kr[u][0][kb]);
           a[1] = fp8x2_to_f16x2<K>(kr[u][1][kb]);
-          a[2] = fp8x2_hi_to_f16x2<K>(kr[u][0][kb]);
-          a[3] = fp8x2_hi_to_f16x2<K>(kr[u][1][kb]);
+          a[2] = fp8x2_to_f16x2<K, true>(kr[u][0][kb]);
+          a[3] = fp8x2_to_f16x2<K, true>(kr[u][1][kb]);
         } else {
           a[0] = kr[u][0][2 * kb]; a[1] = kr[u][1][2 * kb]; a[2] = kr[u][0][2 * kb + 1]; a[3] = kr[u][1][2 * kb + 1];
         }
@@ -377,14 +377,14 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
           const uint32_t lo01 = __byte_perm(vr[u][0][q], vr[u][1][q], 0x5140), hi01 = __byte_perm(vr[u][0][q], vr[u][1][q], 0x7362);
           const uint32_t lo23 = __byte_perm(vr[u][2][q], vr[u][3][q], 0x5140), hi23 = __byte_perm(vr[u][2][q], vr[u][3][q], 0x7362);
           if (2 * q < kMt) {
-            const uint32_t a[4] = {fp8x2_to_f16x2<K>(lo01), fp8x2_hi_to_f16x2<K>(lo01),
-                                   fp8x2_to_f16x2<K>(lo23), fp8x2_hi_to_f16x2<K>(lo23)};
+            const uint32_t a[4] = {fp8x2_to_f16x2<K>(lo01), fp8x2_to_f16x2<K, true>(lo01),
+                                   fp8x2_to_f16x2<K>(lo23), fp8x2_to_f16x2<K, true>(lo23)};
 #pragma unroll
             for (int nh = 0; nh < NH; ++nh) mma16816<false>(o[nh][2 * q], a, pb[u][nh][0], pb[u][nh][1]);
           }
           if (2 * q + 1 < kMt) {
-            const uint32_t a[4] = {fp8x2_to_f16x2<K>(hi01), fp8x2_hi_to_f16x2<K>(hi01),
-                                   fp8x2_to_f16x2<K>(hi23), fp8x2_hi_to_f16x2<K>(hi23)};
+            const uint32_t a[4] = {fp8x2_to_f16x2<K>(hi01), fp8x2_to_f16x2<K, true>(hi01),
+                                   fp8x2_to_f16x2<K>(hi23), fp8x2_to_f16x2<K, true>(hi23)};
 #pragma unroll
             for (int nh = 0; nh < NH; ++nh) mma16816<false>(o[nh][2 * q + 1], a, pb[u][nh][0], pb[u][nh][1]);
           }

@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           h[2 * k] = fp8x2_to_f16x2<K>(w[k]);
-          h[2 * k + 1] = fp8x2_hi_to_f16x2<K>(w[k]);
+          h[2 * k + 1] = fp8x2_to_f16x2<K, true>(w[k]);
         }
         uint4* d = reinterpret_cast<uint4*>(dst + j * kStr + ch * 16);
         d[0] = make_uint4(h[0], h[1], h[2], h[3]);

@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
         uint32_t b0, b1;
         if constexpr (kFp8) {
           b0 = fp8x2_to_f16x2<K>(cur[j][kk]);
-          b1 = fp8x2_hi_to_f16x2<K>(cur[j][kk]);
+          b1 = fp8x2_to_f16x2<K, true>(cur[j][kk]);
         } else {
           b0 = cur[j][2 * kk], b1 = cur[j][2 * kk + 1];
         }

@@ -212,9 +212,9 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
           const int pc = pl + 4 * m;
           const uint4 b = *reinterpret_cast<const uint4*>(st + pc * 16);
           *reinterpret_cast<uint4*>(d + 2 * pc * Wg::kKCs) =
-              make_uint4(fp8x2_to_f16x2<K>(b.x), fp8x2_hi_to_f16x2<K>(b.x), fp8x2_to_f16x2<K>(b.y), fp8x2_hi_to_f16x2<K>(b.y));
+              make_uint4(fp8x2_to_f16x2<K>(b.x), fp8x2_to_f16x2<K, true>(b.x), fp8x2_to_f16x2<K>(b.y), fp8x2_to_f16x2<K, true>(b.y));
           *reinterpret_cast<uint4*>(d + (2 * pc + 1) * Wg::kKCs) =
-              make_uint4(fp8x2_to_f16x2<K>(b.z), fp8x2_hi_to_f16x2<K>(b.z), fp8x2_to_f16x2<K>(b.w), fp8x2_hi_to_f16x2<K>(b.w));
+              make_uint4(fp8x2_to_f16x2<K>(b.z), fp8x2_to_f16x2<K, true>(b.z), fp8x2_to_f16x2<K>(b.w), fp8x2_to_f16x2<K, true>(b.w));
         }
 #pragma unroll
         for (int m = 0; m < 2; ++m) {

@@ -203,9 +203,9 @@ __global__ void __launch_bounds__(kPrefillThreads, 2) prefill_kernel(const Prefi
       const uint2 kb = *reinterpret_cast<const uint2*>(stK + r * D + col);
       const uint2 vb = *reinterpret_cast<const uint2*>(stV + r * D + col);
       *reinterpret_cast<uint4*>(sK + r * ST + col) =
-          make_uint4(fp8x2_to_f16x2<K>(kb.x), fp8x2_hi_to_f16x2<K>(kb.x), fp8x2_to_f16x2<K>(kb.y), fp8x2_hi_to_f16x2<K>(kb.y));
+          make_uint4(fp8x2_to_f16x2<K>(kb.x), fp8x2_to_f16x2<K, true>(kb.x), fp8x2_to_f16x2<K>(kb.y), fp8x2_to_f16x2<K, true>(kb.y));
       *reinterpret_cast<uint4*>(sV + r * ST + col) =
-          make_uint4(fp8x2_to_f16x2<K>(vb.x), fp8x2_hi_to_f16x2<K>(vb.x), fp8x2_to_f16x2<K>(vb.y), fp8x2_hi_to_f16x2<K>(vb.y));
+          make_uint4(fp8x2_to_f16x2<K>(vb.x), fp8x2_to_f16x2<K, true>(vb.x), fp8x2_to_f16x2<K>(vb.y), fp8x2_to_f16x2<K, true>(vb.y));
     }
   };
 

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) prefill_wg_kernel(const Prefill
       uint16_t* k16 = sK + b * N * D + cm_row;
       uint16_t* v16 = sV + b * N * D + cm_row;
       auto cvt8 = [](uint32_t x, uint32_t y) {  // 8 FP8 bytes -> 8 fp16 (one 16-byte chunk of a row)
-        return make_uint4(fp8x2_to_f16x2<K>(x), fp8x2_hi_to_f16x2<K>(x), fp8x2_to_f16x2<K>(y), fp8x2_hi_to_f16x2<K>(y));
+        return make_uint4(fp8x2_to_f16x2<K>(x), fp8x2_to_f16x2<K, true>(x), fp8x2_to_f16x2<K>(y), fp8x2_to_f16x2<K, true>(y));
       };
 #pragma unroll
       for (int k = half; k < kPieces; k += 2) {  // 16 bytes in, two 8-column chunks (2k, 2k + 1) out
