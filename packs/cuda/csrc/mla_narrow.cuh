@@ -154,7 +154,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
       }
     }
   };
-  uint32_t buf0[NJ][W], rb0[NJ], buf1[NJ][W], rb1[NJ];  // this tile and the next, in turn
+  // buf0 / rb0: where a tile's loads land; buf1 / rb1: the tile being computed, copied out of buf0 so
+  // that the next tile's loads go out before it (two named buffers in turn spill: 255 registers)
+  uint32_t buf0[NJ][W], rb0[NJ], buf1[NJ][W], rb1[NJ];
   const int ntiles = p1 > p0 ? (p1 - p0 + N - 1) / N : 0;
   if (ntiles > 0) load_tile(p0, buf0, rb0);  // in flight while Q is read
 
