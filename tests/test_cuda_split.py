@@ -186,11 +186,16 @@ def _mla(case, merge, kernel, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("schedule", ("uniform", "device"))
 @pytest.mark.parametrize("name", MLA_MERGE_CASES)
 @pytest.mark.parametrize("cache", (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16), ids=str)
-def test_mla_in_kernel_merge_equals_the_reduce_launch(cache, name, monkeypatch):
+def test_mla_in_kernel_merge_equals_the_reduce_launch(cache, name, schedule, monkeypatch):
+    """Both splits of the context (launch.MLA_SCHEDULE: the uniform one planned on the host, the
+    balanced work list of csrc/mla_schedule.cu), each merged both ways."""
     from test_cuda_mla import _ref
     from test_emu_mla import make_mla
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_SCHEDULE", schedule)
     lens, q_lens, heads, bs = MLA_MERGE_CASES[name]
     q = _query_for(cache)
     case = make_mla(lens, q_lens, heads=heads, ckv_dtype=cache, kpe_dtype=q, query_dtype=q, block_size=bs,

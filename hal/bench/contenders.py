@@ -305,6 +305,14 @@ def _hal_cuda_narrow(p: Problem, opts: dict) -> Prepared:
     return _hal_cuda_kernel("MLA_KERNEL", "narrow", "csrc/mla_narrow.cuh")(p, opts)
 
 
+def _hal_cuda_uniform(p: Problem, opts: dict) -> Prepared:
+    """The cuda pack with MLA decode's uniform split (launch.MLA_SCHEDULE = "uniform") instead of the
+    balanced work list of csrc/mla_schedule.cu."""
+    if p.op != MLA:
+        raise Skip("MLA problems only")
+    return _hal_cuda_kernel("MLA_SCHEDULE", "uniform", "the uniform split")(p, opts)
+
+
 def baseline_for(op: str) -> str:
     return BASELINES.get(op, BASELINE)
 
@@ -332,6 +340,9 @@ def all_contenders() -> list[Contender]:
             out.append(Contender("hal:cuda-narrow", "hal", "hal.mla_decode(pack='cuda') with the narrow kernel "
                                  "(csrc/mla_narrow.cuh) forced for 16-row tiles", _hal_cuda_narrow,
                                  ops=frozenset({MLA})))
+            out.append(Contender("hal:cuda-uniform", "hal", "hal.mla_decode(pack='cuda') with the uniform split "
+                                 "of the context (planned on the host from the longest sequence) instead of the "
+                                 "balanced work list", _hal_cuda_uniform, ops=frozenset({MLA})))
     out += [
         Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch, ops=EVERY_OP),
         Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton, ops=EVERY_OP),

@@ -71,6 +71,20 @@ DECODE_MERGE = "auto"
 # merging CTA reads that many partial rows alone. Measured faster up to 4 x 64 (1x131072x32x8 bf16);
 # MLA's 16 x 2 rows of 512 were slower, so larger merges keep the reduce launch.
 IN_KERNEL_MERGE_MAX = 256
+# How MLA decode splits a batch's contexts over the SMs: "device" (the balanced split: a one-CTA launch,
+# csrc/mla_schedule.cu, cuts each row tile by its own length from the device's seq_lens and lists the
+# partitions longest first; graph-safe) or "uniform" (every row tile cut by the longest sequence,
+# planned on the host: tuning.mla_split). "device" is taken where a context may be cut (max_seq_len
+# over MLA_MIN_PARTITION tokens) and the batch has at most _C's schedule limit of row tiles. The tests
+# and the bench set this.
+MLA_SCHEDULE = "device"
+MLA_MIN_PARTITION = 256
+# The balanced split's workspace, in waves of one CTA an SM: at most sequences x row tiles + waves x SMs
+# CTAs, and waves x SMs partial slots (tiles of 16-64 rows x 2 KiB); and the fixed cost of a CTA in
+# 64-token blocks, its cost model's c0 (csrc/mla_schedule.cu)
+MLA_SCHEDULE_WAVES = 2
+MLA_SCHEDULE_OVERHEAD = 2
+MLA_SCHEDULE_TILES = 8192  # csrc/launch.h kMlaScheduleTiles
 
 
 def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs: int, max_query_len: int) -> bool:
@@ -328,20 +342,36 @@ def _mla_decode_args(call, q_nope, q_pe, out):
     groups = next((g for limit, g in MLA_ROW_GROUPS if rows <= limit), 4)
     row_tiles = -(-rows // (16 * groups))
     sms, _ = _device_facts(_device_index(dev))
-    size, parts = mla_split(n * row_tiles, call.max_seq_len, sms)
     own = _mla_own_kernel(groups, dev, call.ckv_cache.element_size() == 1)
     wgmma = own and groups == 4
-    if parts > 1:
-        part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
-        part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
-        workspace = (part_out, part_ml)
-        ws = (part_out.data_ptr(), part_ml.data_ptr(), 0)
+    units = n * row_tiles
+    balanced = (MLA_SCHEDULE == "device" and call.max_seq_len > MLA_MIN_PARTITION and units <= MLA_SCHEDULE_TILES)
+    if balanced:
+        size, parts = 64, 1
+        cap, slots = units + MLA_SCHEDULE_WAVES * sms, MLA_SCHEDULE_WAVES * sms
+        work = torch.empty((cap, 4), dtype=torch.int32, device=dev)
+        tile_parts = torch.empty((units, 4), dtype=torch.int32, device=dev)
+        part_out = torch.empty((slots * 16 * groups, r), dtype=torch.float32, device=dev)
+        part_ml = torch.empty((slots * 16 * groups, 2), dtype=torch.float32, device=dev)
+        workspace = (part_out, part_ml, work, tile_parts)
+        sched = (work.data_ptr(), tile_parts.data_ptr())
+        tail = (sms, cap, slots, MLA_SCHEDULE_OVERHEAD)
+    else:
+        size, parts = mla_split(units, call.max_seq_len, sms, MLA_MIN_PARTITION)
+        sched, tail = (0, 0), (0, 0, 0, 0)
+        workspace = ()
+        if parts > 1:
+            part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
+            part_ml = torch.empty((total_q, h, parts, 2), dtype=torch.float32, device=dev)
+            workspace = (part_out, part_ml)
+    if workspace:
+        ws = (workspace[0].data_ptr(), workspace[1].data_ptr(), 0)
         if DECODE_MERGE == "kernel" and not wgmma:  # the sm_90a kernel always merges by the reduce launch
-            counters = torch.zeros(n * row_tiles, dtype=torch.int32, device=dev)
+            counters = torch.zeros(units, dtype=torch.int32, device=dev)
             workspace += (counters,)
             ws = (*ws[:2], counters.data_ptr())
     else:
-        workspace, ws = (), (0, 0, 0)
+        ws = (0, 0, 0)
     cbs, cts = _cache_strides(call.ckv_cache, "ckv_cache")
     pbs, pts = _cache_strides(call.kpe_cache, "kpe_cache")
     cs, csp, _ = _scale(call.ckv_scale)
@@ -350,10 +380,10 @@ def _mla_decode_args(call, q_nope, q_pe, out):
     args = [
         KINDS[call.ckv_cache.dtype], groups, out.data_ptr(), q_nope.data_ptr(), q_pe.data_ptr(),
         call.ckv_cache.data_ptr(), call.kpe_cache.data_ptr(), call.block_tables.data_ptr(),
-        call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, q_nope.stride(0),
+        call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, *sched, q_nope.stride(0),
         q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts,
         call.block_tables.stride(0), call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts,
-        row_tiles, int(q_nope.dtype == torch.bfloat16), int(own)]
+        row_tiles, int(q_nope.dtype == torch.bfloat16), int(own), *tail]
     return args, workspace
 
 

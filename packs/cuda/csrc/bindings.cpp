@@ -121,7 +121,8 @@ struct MLALaunch {
   }
   int launch(cudaStream_t s) const {
     if (p.num_seqs == 0 || p.total_q == 0) return 0;
-    int err;
+    int err = p.work ? launch_mla_schedule(p, s) : 0;
+    if (err != 0) return err;
     switch (kind) {
       case 0: err = launch_mla_f16(row_groups, p, s); break;
       case 1: err = launch_mla_bf16(row_groups, p, s); break;
@@ -129,7 +130,7 @@ struct MLALaunch {
       case 3: err = launch_mla_e5m2(row_groups, p, s); break;
       default: err = (int)cudaErrorInvalidValue;
     }
-    if (err == 0 && p.num_parts > 1 && !p.counters) err = launch_mla_reduce(p, s);
+    if (err == 0 && (p.work || p.num_parts > 1) && !p.counters) err = launch_mla_reduce(p, s);
     return err;
   }
 };
@@ -290,11 +291,11 @@ static MLALaunch make_mla(
     int kind, int row_groups, std::uintptr_t out, std::uintptr_t q_nope, std::uintptr_t q_pe, std::uintptr_t ckv,
     std::uintptr_t kpe, std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
     std::uintptr_t ckv_scale_ptr, std::uintptr_t kpe_scale_ptr, std::uintptr_t part_out, std::uintptr_t part_ml,
-    std::uintptr_t counters, int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1,
+    std::uintptr_t counters, std::uintptr_t work, std::uintptr_t tile_parts, int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1,
     int64_t out_stride0, int64_t out_stride1, int64_t ckv_block_stride, int64_t ckv_token_stride,
     int64_t kpe_block_stride, int64_t kpe_token_stride, int64_t bt_stride0, float scale, float ckv_scale,
     float kpe_scale, int num_seqs, int num_heads, int total_q, int block_size, int partition_size, int num_parts,
-    int row_tiles, int q_is_bf16, int kernel) {
+    int row_tiles, int q_is_bf16, int kernel, int sched_ctas, int sched_cap, int sched_slots, int sched_overhead) {
   MLALaunch l{kind, row_groups, {}};
   MLAParams& p = l.p;
   p.out = ptr<void>(out); p.q_nope = ptr<const void>(q_nope); p.q_pe = ptr<const void>(q_pe);
@@ -316,6 +317,15 @@ static MLALaunch make_mla(
   if (partition_size % 64 != 0) throw std::invalid_argument("partition_size must be a multiple of 64");
   p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
   p.kernel = kernel;
+  p.tile_rows = 16 * row_groups;
+  // the balanced split: a work list of sched_cap entries, sched_slots partial slots of tile_rows rows
+  p.work = ptr<int4>(work); p.tile_parts = ptr<int4>(tile_parts);
+  if ((p.work == nullptr) != (p.tile_parts == nullptr)) throw std::invalid_argument("work and tile_parts go together");
+  if (p.work && (num_seqs * row_tiles > kMlaScheduleTiles || sched_cap < num_seqs * row_tiles || sched_ctas < 1 ||
+                 sched_slots < 0 || sched_overhead < 0))
+    throw std::invalid_argument("the balanced split needs num_seqs x row_tiles <= " + std::to_string(kMlaScheduleTiles) +
+                                " <= sched_cap, sched_ctas >= 1 and sched_slots, sched_overhead >= 0");
+  p.sched_ctas = sched_ctas; p.sched_cap = sched_cap; p.sched_slots = sched_slots; p.sched_overhead = sched_overhead;
   return l;
 }
 

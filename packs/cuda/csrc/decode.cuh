@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, (LoopConfig<K, D, NH>::kMinBlocks)) 
       const MergeOut dst{p.out, (int64_t)qrow * p.out_stride0, p.out_stride0, p.out_stride1, head0, p.num_heads,
                          p.q_is_bf16 != 0};
       merge_partitions<D>(p.part_out, p.part_ml, ((int64_t)seq * p.num_heads + head0) * p.num_parts, p.num_parts,
-                          rows, pa, pb, vs, dst, &sm_m[0][0]);
+                          1, rows, pa, pb, vs, dst, &sm_m[0][0]);
     }
   }
 }

@@ -32,6 +32,10 @@ int launch_mla_bf16(int row_groups, const MLAParams& p, cudaStream_t stream);
 int launch_mla_e4m3(int row_groups, const MLAParams& p, cudaStream_t stream);
 int launch_mla_e5m2(int row_groups, const MLAParams& p, cudaStream_t stream);
 int launch_mla_reduce(const MLAParams& p, cudaStream_t stream);
+// The balanced split's work list (params.work) from the device's seq_lens, before the MLA kernel; at
+// most kMlaScheduleTiles row tiles (num_seqs x row_tiles), else the uniform split.
+constexpr int kMlaScheduleTiles = 8192;
+int launch_mla_schedule(const MLAParams& p, cudaStream_t stream);
 int launch_cache_rows(int kind, int input, const RowCacheParams& p, cudaStream_t stream);
 
 }  // namespace hal_cuda

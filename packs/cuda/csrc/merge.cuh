@@ -22,27 +22,29 @@ struct MergeOut {
   }
 };
 
-// Partitions [pa, pb) of `rows` rows whose partial results sit at `slot0` (the first row's partition
-// 0; rows num_parts slots apart) of part_out [.., num_parts, D] / part_ml [.., num_parts, 2] (max in
-// log2 units, sum): out = vs * sum_q w_q O_q / sum_q w_q with w_q = l_q 2^(m_q - max m). Called by
-// every thread of the CTA (it synchronises). Partials are read through L2 (ld.cg): other CTAs wrote
-// them, and L1 is not coherent. `scratch` holds 2 * rows floats of shared memory.
+// Partitions [pa, pb) of `rows` rows whose partial results sit in part_out [slots, D] / part_ml [slots, 2]
+// (max in log2 units, sum): partition q of row r at slot `slot0 + r * row_stride + q * part_stride` (a
+// uniform split: rows num_parts slots apart, partitions adjacent; the MLA work list: partitions a row
+// tile apart, rows adjacent). out = vs * sum_q w_q O_q / sum_q w_q with w_q = l_q 2^(m_q - max m).
+// Called by every thread of the CTA (it synchronises). Partials are read through L2 (ld.cg): other
+// CTAs wrote them, and L1 is not coherent. `scratch` holds 2 * rows floats of shared memory.
 template <int D>
-__device__ void merge_partitions(const float* part_out, const float* part_ml, int64_t slot0, int num_parts, int rows,
-                                 int pa, int pb, float vs, const MergeOut& dst, float* scratch) {
+__device__ void merge_partitions(const float* part_out, const float* part_ml, int64_t slot0, int64_t row_stride,
+                                 int64_t part_stride, int rows, int pa, int pb, float vs, const MergeOut& dst,
+                                 float* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   float* sM = scratch;
   float* sW = scratch + rows;
   for (int r = warp; r < rows; r += warps) {
-    const float2* ml = reinterpret_cast<const float2*>(part_ml) + slot0 + (int64_t)r * num_parts;
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + slot0 + r * row_stride;
     float M = -INFINITY;
-    for (int q = pa + lane; q < pb; q += 32) M = fmaxf(M, __ldcg(&ml[q].x));
+    for (int q = pa + lane; q < pb; q += 32) M = fmaxf(M, __ldcg(&ml[q * part_stride].x));
 #pragma unroll
     for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     float w = 0.f;
     // m == -inf: the partition saw no finite logit, so its sum is NaN (keep it) or 0
     for (int q = pa + lane; q < pb; q += 32) {
-      const float2 x = __ldcg(&ml[q]);
+      const float2 x = __ldcg(&ml[q * part_stride]);
       w += x.x == -INFINITY ? x.y * 0.f : x.y * fast_exp2(x.x - M);
     }
 #pragma unroll
@@ -53,13 +55,14 @@ __device__ void merge_partitions(const float* part_out, const float* part_ml, in
   constexpr int kV = D / 4;  // float4 columns of a head
   for (int idx = threadIdx.x; idx < rows * kV; idx += blockDim.x) {
     const int r = idx / kV, c = idx % kV;
-    const int64_t slot = slot0 + (int64_t)r * num_parts;
+    const int64_t slot = slot0 + r * row_stride;
     const float M = sM[r], wsum = sW[r];
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 4
     for (int q = pa; q < pb; ++q) {
-      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_ml) + slot + q);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_out + (slot + q) * D) + c);
+      const int64_t sq = slot + q * part_stride;
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_ml) + sq);
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part_out + sq * D) + c);
       if (x.x == -INFINITY) continue;
       const float f = x.y * fast_exp2(x.x - M);
       acc.x += f * v.x; acc.y += f * v.y; acc.z += f * v.z; acc.w += f * v.w;

@@ -24,6 +24,7 @@
 #pragma once
 #include "common.cuh"
 #include "merge.cuh"
+#include "mla_item.cuh"
 #include "params.h"
 #include <type_traits>
 
@@ -104,18 +105,6 @@ __device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 v, float s2k) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A split row tile with counters: the last of its partitions to finish merges them (no reduce
-// launch). Called by every thread of the CTA once its partials are written.
-template <int M>
-__device__ void merge_if_last(const MLAParams& p, int seq, int q0, int rows, int r0, float* scratch) {
-  if (!last_to_arrive(p.counters + (int64_t)seq * p.row_tiles + blockIdx.y, p.num_parts)) return;
-  const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
-  const MergeOut dst{p.out, (int64_t)q0 * p.out_stride0, p.out_stride0, p.out_stride1, r0, p.num_heads,
-                     p.q_is_bf16 != 0};
-  merge_partitions<kR>(p.part_out, p.part_ml, ((int64_t)q0 * p.num_heads + r0) * p.num_parts, p.num_parts,
-                       min(M, rows - r0), 0, p.num_parts, cs, dst, scratch);
-}
-
 template <Kind K, bool kQBf16, int MW>
 __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   using T = Tile<MW>;
@@ -129,19 +118,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   uint16_t* sp = sk + 2 * T::N * kStr;                  // [M][PStr]: probabilities
   float* sred = reinterpret_cast<float*>(sp + T::M * T::PStr);  // [kWarps][16]
 
-  const int seq = blockIdx.x, part = blockIdx.z;
+  Item it;
+  if (!mla_item<T::M>(p, it)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int rg = warp / T::CW, cg = warp % T::CW;
   const int H = p.num_heads;
-  int q0 = seq, qlen = 1;
-  if (p.query_start_loc) { q0 = p.query_start_loc[seq]; qlen = p.query_start_loc[seq + 1] - q0; }
-  const int rows = qlen * H;
-  const int r0 = blockIdx.y * T::M;
-  if (r0 >= rows) return;
-  const int L = p.seq_lens[seq];
-  const bool split = p.num_parts > 1;
-  const int p0 = part * p.partition_size;
-  const int p1 = min(p0 + p.partition_size, L);
+  const int seq = it.seq, q0 = it.q0, qlen = it.qlen, rows = it.rows, r0 = it.r0, L = it.L, p0 = it.p0, p1 = it.p1;
+  const bool split = it.split();
 
   // This thread's two rows (g, g + 8 of its row group): causal limit (exclusive) and output slot.
   int lim[2], orow[2], ohead[2];
@@ -158,11 +141,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         if (orow[e] >= 0) {
-          const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
+          const int64_t slot = it.slot(r0 + rg * 16 + g + 8 * e);
           p.part_ml[2 * slot] = -INFINITY;
           p.part_ml[2 * slot + 1] = 0.f;
         }
-    if (p.counters) merge_if_last<T::M>(p, seq, q0, rows, r0, sred);
+    if (p.counters) merge_if_last<T::M>(p, it, sred);
     return;
   }
   const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
@@ -442,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
         *reinterpret_cast<uint32_t*>(base + col * 2) = p.q_is_bf16 ? pack_bf16x2(x, y) : pack_f16x2(x, y);
       }
     } else {
-      const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
+      const int64_t slot = it.slot(r0 + rg * 16 + g + 8 * e);
       float* dst = p.part_out + slot * kR;
 #pragma unroll
       for (int n = 0; n < T::ON; ++n) {
@@ -452,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
       if (cg == 0 && t == 0) p.part_ml[2 * slot] = m2[e], p.part_ml[2 * slot + 1] = lsum[e];
     }
   }
-  if (split && p.counters) merge_if_last<T::M>(p, seq, q0, rows, r0, sred);
+  if (split && p.counters) merge_if_last<T::M>(p, it, sred);
 }
 
 }  // namespace mla

@@ -66,18 +66,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   __shared__ float s_alpha[16];                                // this tile's rescale factor a row
   __shared__ float s_red[64];                                  // amax, row sums, the merge's scratch
 
-  const int seq = blockIdx.x, part = blockIdx.z;
+  Item it;
+  if (!mla_item<16>(p, it)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int H = p.num_heads;
-  int q0 = seq, qlen = 1;
-  if (p.query_start_loc) { q0 = p.query_start_loc[seq]; qlen = p.query_start_loc[seq + 1] - q0; }
-  const int rows = qlen * H;
-  const int r0 = blockIdx.y * 16;
-  if (r0 >= rows) return;
-  const int L = p.seq_lens[seq];
-  const bool split = p.num_parts > 1;
-  const int p0 = part * p.partition_size;
-  const int p1 = min(p0 + p.partition_size, L);
+  const int seq = it.seq, q0 = it.q0, qlen = it.qlen, rows = it.rows, r0 = it.r0, L = it.L, p0 = it.p0, p1 = it.p1;
+  const bool split = it.split();
 
   // Rows g and g + 8 (this thread's MMA rows): output slot. Row hr (the row this lane reduces):
   // causal limit (exclusive; padding rows see nothing).
@@ -95,11 +89,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
 #pragma unroll
       for (int e = 0; e < 2; ++e)
         if (orow[e] >= 0) {
-          const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
+          const int64_t slot = it.slot(r0 + g + 8 * e);
           p.part_ml[2 * slot] = -INFINITY;
           p.part_ml[2 * slot + 1] = 0.f;
         }
-    if (p.counters) merge_if_last<16>(p, seq, q0, rows, r0, s_red);
+    if (p.counters) merge_if_last<16>(p, it, s_red);
     return;
   }
   const float cs = p.ckv_scale_ptr ? *p.ckv_scale_ptr : p.ckv_scale;
@@ -346,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
       dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
       dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
     } else {
-      const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
+      const int64_t slot = it.slot(r0 + row);
       float4* dst = reinterpret_cast<float4*>(p.part_out + slot * kR + col0);
 #pragma unroll
       for (int i = 0; i < 4; ++i) dst[i] = make_float4(y[4 * i], y[4 * i + 1], y[4 * i + 2], y[4 * i + 3]);
@@ -355,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   }
   if (split && p.counters) {
     __syncthreads();  // s_red is the merge's scratch
-    merge_if_last<16>(p, seq, q0, rows, r0, s_red);
+    merge_if_last<16>(p, it, s_red);
   }
 }
 

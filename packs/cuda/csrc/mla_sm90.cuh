@@ -79,24 +79,17 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
   float* s_red = reinterpret_cast<float*>(empty + NB);
   float* s_q2 = s_red + 4;
 
-  const int seq = blockIdx.x, part = blockIdx.z;
+  Item it;
+  if (!mla_item<Wg::kRows>(p, it)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int wg = warp / 4;
   const int H = p.num_heads;
-  int q0 = seq, qlen = 1;
-  if (p.query_start_loc) { q0 = p.query_start_loc[seq]; qlen = p.query_start_loc[seq + 1] - q0; }
-  const int rows = qlen * H;
-  const int r0 = blockIdx.y * Wg::kRows;
-  if (r0 >= rows) return;
-  const int L = p.seq_lens[seq];
-  const bool split = p.num_parts > 1;
-  const int p0 = part * p.partition_size;
-  const int p1 = min(p0 + p.partition_size, L);
+  const int seq = it.seq, q0 = it.q0, qlen = it.qlen, rows = it.rows, r0 = it.r0, L = it.L, p0 = it.p0, p1 = it.p1;
+  const bool split = it.split();
   if (split && p0 >= L) {  // CTA-uniform: an empty partition says so to the merge
     const int r = r0 + tid;
     if (tid < Wg::kRows && r < rows) {
-      const int tq = r / H;
-      const int64_t slot = ((int64_t)(q0 + tq) * H + (r - tq * H)) * p.num_parts + part;
+      const int64_t slot = it.slot(r);
       p.part_ml[2 * slot] = -INFINITY;
       p.part_ml[2 * slot + 1] = 0.f;
     }
@@ -403,7 +396,7 @@ __global__ void __launch_bounds__(Wg::kThreads, 1) mla_wg_kernel(const MLAParams
           *reinterpret_cast<uint32_t*>(base + col * 2) = p.q_is_bf16 ? pack_bf16x2(x, y) : pack_f16x2(x, y);
         }
     } else {
-      const int64_t slot = ((int64_t)orow[e] * H + ohead[e]) * p.num_parts + part;
+      const int64_t slot = it.slot(r0 + cwarp * 16 + g + 8 * e);
       float* dst = p.part_out + slot * kR;
 #pragma unroll
       for (int nt = 0; nt < 32; ++nt) {

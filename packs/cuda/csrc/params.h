@@ -1,6 +1,7 @@
 // Launch parameters shared by the host launcher and the kernels (plain data, no torch types).
 #pragma once
 #include <cstdint>
+#include <vector_types.h>  // int4
 
 namespace hal_cuda {
 
@@ -91,18 +92,31 @@ struct MLAParams {
   const int* query_start_loc;   // [num_seqs + 1] or null (one row per sequence)
   const float* ckv_scale_ptr;   // 0-d device scale or null: use ckv_scale
   const float* kpe_scale_ptr;
-  float* part_out;              // [total_q, num_heads, num_parts, 512] fp32 (split only)
-  float* part_ml;               // [total_q, num_heads, num_parts, 2] (max in log2 units, sum)
+  // Partials of split row tiles (fp32; the max in log2 units and the sum): a uniform split (work null)
+  // [total_q, num_heads, num_parts, 512 | 2]; the work list [sched_slots * tile_rows, 512 | 2]
+  float* part_out;
+  float* part_ml;
   // [num_seqs * row_tiles] int32, zero before the launch and left zero after it, or null. Set: the
   // last CTA of a split row tile merges its partitions (mla.cuh; the sm_90a kernel leaves it to the
   // reduce launch).
   int* counters;
+  // The balanced split (mla_schedule.cu), or null for the uniform one (partition_size, num_parts; a
+  // grid of num_seqs x row_tiles x num_parts). work [sched_cap]: a CTA's {sequence, row tile,
+  // partition, 0}, sequence -1 for none; tile_parts [num_seqs * row_tiles]: a row tile's {first
+  // partial slot, partitions (0: no rows), partition size in tokens, 0}. Written by the schedule
+  // launch before the kernel (graph-safe: from the device's seq_lens).
+  int4* work;
+  int4* tile_parts;
   int64_t qn_stride0, qn_stride1, qp_stride0, qp_stride1, out_stride0, out_stride1;
   int64_t ckv_block_stride, ckv_token_stride, kpe_block_stride, kpe_token_stride;
   int64_t bt_stride0;
   float scale, ckv_scale, kpe_scale;
   int num_seqs, num_heads, total_q, block_size, block_shift;
   int partition_size, num_parts, row_tiles, q_is_bf16;
+  int tile_rows;       // rows a CTA: 16, 32 or 64
+  // the balanced split: CTAs a wave (one an SM), most CTAs and partial slots (host-sized workspace),
+  // a CTA's fixed cost in 64-token blocks (the cost model of mla_schedule.cu)
+  int sched_ctas, sched_cap, sched_slots, sched_overhead;
   // 0: mla.cuh; 1: the row tile's own kernel: mla_sm90.cuh for 64-row tiles (where it can run: an
   // sm_90 GPU, sm_90a code), mla_narrow.cuh for 16-row tiles
   int kernel;

@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(128) reduce_kernel(const DecodeParams p) {
   const int kvh = h / p.gqa;
   const float vs = p.v_scale_ptr ? p.v_scale_ptr[kvh * p.v_scale_stride] : p.v_scale;
   const MergeOut dst{p.out, (int64_t)qrow * p.out_stride0, p.out_stride0, p.out_stride1, h, p.num_heads, p.q_is_bf16 != 0};
-  merge_partitions<D>(p.part_out, p.part_ml, ((int64_t)seq * p.num_heads + h) * p.num_parts, p.num_parts, 1, pa, pb,
+  merge_partitions<D>(p.part_out, p.part_ml, ((int64_t)seq * p.num_heads + h) * p.num_parts, p.num_parts, 1, 1, pa, pb,
                       vs, dst, scratch);
 }
 
