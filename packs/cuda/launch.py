@@ -330,9 +330,10 @@ def _cache_strides(c: torch.Tensor, name: str) -> tuple[int, int]:
 MLA_ROW_GROUPS = ((16, 1), (32, 2))  # rows a sequence -> MMA row groups a CTA (else 4: 64 rows)
 
 
-def _mla_decode_args(call, q_nope, q_pe, out):
+def _mla_decode_args(call, q_nope, q_pe, out, planned: bool = False):
     """``(arguments of _C.mla_decode but the stream, workspace tensors)`` for the record ``call``
-    with these (16-byte aligned) query and output tensors, or None when there is nothing to run."""
+    with these (16-byte aligned) query and output tensors, or None when there is nothing to run. A
+    plan's (``planned``) balanced split keeps its work list while the lengths it was made for hold."""
     total_q, h, r = call.q_nope.shape
     n = call.seq_lens.shape[0]
     if total_q == 0 or n == 0:
@@ -354,11 +355,15 @@ def _mla_decode_args(call, q_nope, q_pe, out):
         part_out = torch.empty((slots * 16 * groups, r), dtype=torch.float32, device=dev)
         part_ml = torch.empty((slots * 16 * groups, 2), dtype=torch.float32, device=dev)
         workspace = (part_out, part_ml, work, tile_parts)
-        sched = (work.data_ptr(), tile_parts.data_ptr())
+        sched = (work.data_ptr(), tile_parts.data_ptr(), 0)
+        if planned:  # the row tiles' block counts of the last list (none yet)
+            seen = torch.full((units,), -2 ** 31, dtype=torch.int32, device=dev)
+            workspace += (seen,)
+            sched = (*sched[:2], seen.data_ptr())
         tail = (sms, cap, slots, MLA_SCHEDULE_OVERHEAD)
     else:
         size, parts = mla_split(units, call.max_seq_len, sms, MLA_MIN_PARTITION)
-        sched, tail = (0, 0), (0, 0, 0, 0)
+        sched, tail = (0, 0, 0), (0, 0, 0, 0)
         workspace = ()
         if parts > 1:
             part_out = torch.empty((total_q, h, parts, r), dtype=torch.float32, device=dev)
@@ -509,7 +514,7 @@ def _prepare_mla_decode(call):
     (copied by the one-shot call) takes the default runner instead (None)."""
     if not all(_aligned_rows(t) for t in (call.q_nope, call.q_pe, call.out)):
         return None
-    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out)
+    built = _mla_decode_args(call, call.q_nope, call.q_pe, call.out, planned=True)
     if built is None:
         return lambda fields: None
     args, workspace = built

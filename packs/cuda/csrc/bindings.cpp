@@ -291,7 +291,8 @@ static MLALaunch make_mla(
     int kind, int row_groups, std::uintptr_t out, std::uintptr_t q_nope, std::uintptr_t q_pe, std::uintptr_t ckv,
     std::uintptr_t kpe, std::uintptr_t block_tables, std::uintptr_t seq_lens, std::uintptr_t query_start_loc,
     std::uintptr_t ckv_scale_ptr, std::uintptr_t kpe_scale_ptr, std::uintptr_t part_out, std::uintptr_t part_ml,
-    std::uintptr_t counters, std::uintptr_t work, std::uintptr_t tile_parts, int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1,
+    std::uintptr_t counters, std::uintptr_t work, std::uintptr_t tile_parts, std::uintptr_t sched_seen,
+    int64_t qn_stride0, int64_t qn_stride1, int64_t qp_stride0, int64_t qp_stride1,
     int64_t out_stride0, int64_t out_stride1, int64_t ckv_block_stride, int64_t ckv_token_stride,
     int64_t kpe_block_stride, int64_t kpe_token_stride, int64_t bt_stride0, float scale, float ckv_scale,
     float kpe_scale, int num_seqs, int num_heads, int total_q, int block_size, int partition_size, int num_parts,
@@ -319,7 +320,7 @@ static MLALaunch make_mla(
   p.kernel = kernel;
   p.tile_rows = 16 * row_groups;
   // the balanced split: a work list of sched_cap entries, sched_slots partial slots of tile_rows rows
-  p.work = ptr<int4>(work); p.tile_parts = ptr<int4>(tile_parts);
+  p.work = ptr<int4>(work); p.tile_parts = ptr<int4>(tile_parts); p.sched_seen = ptr<int>(sched_seen);
   if ((p.work == nullptr) != (p.tile_parts == nullptr)) throw std::invalid_argument("work and tile_parts go together");
   if (p.work && (num_seqs * row_tiles > kMlaScheduleTiles || sched_cap < num_seqs * row_tiles || sched_ctas < 1 ||
                  sched_slots < 0 || sched_overhead < 0))

@@ -8,17 +8,19 @@
 // the list puts the longest partitions first, so the hardware's in-order dispatch (one CTA an SM)
 // packs them about as a longest-first greedy schedule would.
 //
-// The cap B: 128 candidates (the longest row tile cut 1..64 times, then up to ~990 times
-// geometrically, never under 4 blocks), each scored by an estimate of the greedy schedule's makespan
-// over G CTAs at a time (G = sched_ctas, one an SM), with a fixed cost of c0 blocks a CTA
-// (sched_overhead: the Q load, the partial's write and its merge):
-//   items <= G (one wave):                  max size + c0
-//   every partition of one size:            waves x (size + c0)
-//   otherwise:                              max(max size + c0, (W + c0 items) / G + (max size + c0) / 2)
-// with W the batch's blocks. Candidates that need more CTAs than sched_cap or more partial slots than
-// sched_slots (the workspace the host sized) are out; cutting nothing (the first) always fits.
-// On a uniform batch this picks the uniform split's partitions (one wave), so it costs only its launch
-// and the reduce's.
+// The cap B. Where every row tile is as long (a uniform batch): the longest cut into G / tiles
+// partitions (one wave of G = sched_ctas CTAs, one an SM; never under 4 blocks), which is the uniform
+// split's. Otherwise 32 candidates, the longest tile cut 1..8 times, then 8 x 1.127^i (up to ~140), each
+// scored by an estimate of the greedy schedule's makespan with a fixed cost of c0 blocks a CTA
+// (sched_overhead: the Q load, the partial's write and its merge), the longest partition taken as B:
+//   items <= G (one wave):  B + c0,   else:  max(B + c0, (W + c0 items) / G + (B + c0) / 2)
+// with W the batch's blocks (a Python model of this rule against a greedy simulation: within 2 % of the
+// best candidate on average; docs/cuda.md). Candidates that need more CTAs than sched_cap or more
+// partial slots than sched_slots (the workspace the host sized) are out; cutting nothing always fits.
+//
+// A plan's launches pass `sched_seen` (the row tiles' block counts the list was made for, INT_MIN at
+// first): where they are unchanged (the layers of one step) the list stands and the launch ends after
+// reading seq_lens.
 #include <climits>
 
 #include "launch.h"
@@ -27,115 +29,117 @@
 namespace hal_cuda {
 namespace {
 
-constexpr int kThreads = 1024, kWarps = kThreads / 32, kCands = 128, kBuckets = 1024, kBlock = 64;
+constexpr int kThreads = 1024, kWarps = kThreads / 32, kCands = 32, kBuckets = 1024, kBlock = 64;
 constexpr int kMinBlocks = 4;  // partitions of at least 256 tokens, as the uniform split
 
-__device__ __forceinline__ int cdiv(int a, int b) { return (a + b - 1) / b; }
+// ceil(a / d) for 0 <= a < 2^24, d >= 1, without an integer division: the float quotient is within
+// one of a / d, and one correction step each way makes it exact.
+__device__ __forceinline__ int cdiv(int a, int d) {
+  int q = (int)ceilf(__fdividef((float)a, (float)d));
+  if (q > 0 && (q - 1) * d >= a) --q;
+  else if (q * d < a) ++q;
+  return q;
+}
 
-// Candidate c's cuts of the longest row tile: 1..64, then 64 * 2^((c - 64) / 16).
-__device__ __forceinline__ int cand_cuts(int c) { return c < 64 ? c + 1 : (int)(64.f * exp2f((c - 64) * 0.0625f)); }
-
-// {partitions, blocks a partition} of a row tile of b blocks under a cap of B (the last partition may
-// be shorter, none is empty); b == 0: one empty partition.
+// {partitions, blocks a partition} of a row tile of b blocks under a cap of B: n = ceil(b / B) partitions
+// of ceil(b / n) blocks (the last may be shorter, none is empty: ceil(b / ceil(b / n)) == n); b == 0:
+// one empty partition.
 __device__ __forceinline__ int2 cut(int b, int B) {
   if (b <= B) return make_int2(1, b);
-  const int size = cdiv(b, cdiv(b, B));
-  return make_int2(cdiv(b, size), size);
+  const int n = cdiv(b, B);
+  return make_int2(n, cdiv(b, n));
 }
 
-template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+__device__ __forceinline__ long long warp_sum64(long long v) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ int warp_max(int v) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ int warp_min(int v) {
-#pragma unroll
-  for (int o = 16; o; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
 __global__ void __launch_bounds__(kThreads) mla_schedule_kernel(const MLAParams p) {
   __shared__ int s_blocks[kMlaScheduleTiles];  // a row tile's blocks, -1 where it has no rows
   __shared__ int s_bucket[kBuckets];           // partitions by size, longest first
-  __shared__ float s_est[kCands];
-  __shared__ int s_cap[kCands], s_items[kCands];
+  __shared__ int s_items[kWarps][kCands], s_split[kWarps][kCands];  // a warp's share, by candidate
   __shared__ long long s_w[kWarps];
-  __shared__ int s_max[kWarps], s_scan[kWarps], s_best, s_slots;
+  __shared__ int s_max[kWarps], s_min[kWarps], s_tiles[kWarps], s_scan[kWarps], s_slots, s_cap;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int U = p.num_seqs * p.row_tiles, G = p.sched_ctas;
   const float c0 = (float)p.sched_overhead;
 
-  // ---- every row tile's blocks; the batch's sum W and the longest ----
+  // ---- every row tile's blocks; the batch's sum W, longest and shortest; unchanged since the last list? ----
   long long w = 0;
-  int bmax = 0;
+  int bmax = 0, bmin = INT_MAX, tiles = 0, changed = p.sched_seen == nullptr;
   for (int u = tid; u < U; u += kThreads) {
     const int s = u / p.row_tiles, tile = u - s * p.row_tiles;
     const int qlen = p.query_start_loc ? p.query_start_loc[s + 1] - p.query_start_loc[s] : 1;
-    const int b = tile * p.tile_rows < qlen * p.num_heads ? cdiv(max(p.seq_lens[s], 0), kBlock) : -1;
+    const int b = tile * p.tile_rows < qlen * p.num_heads ? (max(p.seq_lens[s], 0) + kBlock - 1) / kBlock : -1;
     s_blocks[u] = b;
     if (b > 0) w += b, bmax = max(bmax, b);
-  }
-  w = warp_sum(w);
-  bmax = warp_max(bmax);
-  if (lane == 0) s_w[warp] = w, s_max[warp] = bmax;
-  __syncthreads();
-  w = 0, bmax = 0;
-#pragma unroll 4
-  for (int i = 0; i < kWarps; ++i) w += s_w[i], bmax = max(bmax, s_max[i]);
-
-  // ---- the candidates' estimates: warp k scores candidates k, k + 32, ... ----
-  for (int c = warp; c < kCands; c += kWarps) {
-    const int B = max(kMinBlocks, cdiv(bmax, cand_cuts(c)));
-    int items = 0, split = 0, mx = 0, mn = INT_MAX;
-    for (int u = lane; u < U; u += 32) {
-      const int b = s_blocks[u];
-      if (b < 0) continue;
-      const int2 k = cut(b, B);
-      items += k.x;
-      split += k.x > 1 ? k.x : 0;
-      mx = max(mx, k.y), mn = min(mn, k.y);
-    }
-    items = warp_sum(items), split = warp_sum(split), mx = warp_max(mx), mn = warp_min(mn);
-    if (lane == 0) {
-      float est;
-      if (items > p.sched_cap || split > p.sched_slots) est = INFINITY;
-      else if (items <= G) est = mx + c0;
-      else if (mx == mn) est = (float)cdiv(items, G) * (mx + c0);
-      else est = fmaxf(mx + c0, ((float)w + c0 * items) / G + 0.5f * (mx + c0));
-      s_est[c] = est, s_cap[c] = B, s_items[c] = items;
-    }
+    if (b >= 0) bmin = min(bmin, b), ++tiles;
+    if (!changed) changed = p.sched_seen[u] != b;
   }
   for (int i = tid; i < kBuckets; i += kThreads) s_bucket[i] = 0;
   if (tid == 0) s_slots = 0;
-  __syncthreads();
-  if (warp == 0) {  // the least estimate; on a tie the fewest cuts (the lowest candidate)
-    float e = INFINITY;
-    int best = 0;
-    for (int c = lane; c < kCands; c += 32)
-      if (s_est[c] < e) e = s_est[c], best = c;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-      const float e2 = __shfl_xor_sync(0xffffffffu, e, o);
-      const int b2 = __shfl_xor_sync(0xffffffffu, best, o);
-      if (e2 < e || (e2 == e && b2 < best)) e = e2, best = b2;
+  w = warp_sum64(w);
+  bmax = __reduce_max_sync(0xffffffffu, bmax);
+  bmin = __reduce_min_sync(0xffffffffu, bmin);
+  tiles = __reduce_add_sync(0xffffffffu, tiles);
+  if (lane == 0) s_w[warp] = w, s_max[warp] = bmax, s_min[warp] = bmin, s_tiles[warp] = tiles;
+  if (!__syncthreads_or(changed)) return;  // the list in the workspace is this batch's
+  for (int i = tid; i < p.sched_cap; i += kThreads) p.work[i] = make_int4(-1, 0, 0, 0);  // (entries win: later)
+  bmax = __reduce_max_sync(0xffffffffu, s_max[lane]);
+  bmin = __reduce_min_sync(0xffffffffu, s_min[lane]);
+  tiles = __reduce_add_sync(0xffffffffu, s_tiles[lane]);
+
+  if (bmin == bmax) {  // ---- one length: the uniform split's cut, one wave ----
+    if (tid == 0) s_cap = max(kMinBlocks, cdiv(bmax, max(1, G / max(1, tiles))));
+  } else {
+    // ---- the candidates: lane c scores candidate c over this warp's row tiles (k, k + 32, ...) ----
+    const int cuts = lane < 8 ? lane + 1 : (int)(8.f * exp2f(0.1725f * (lane - 7)) + 0.5f);  // 1..8, then x1.127
+    const int cb = max(kMinBlocks, cdiv(bmax, cuts));
+    int items = 0, split = 0;
+    for (int u = warp; u < U; u += kWarps) {
+      const int b = s_blocks[u];
+      const int n = b < 0 ? 0 : b <= cb ? 1 : cdiv(b, cb);
+      items += n;
+      split += n > 1 ? n : 0;
     }
-    if (lane == 0) s_best = best;
+    s_items[warp][lane] = items, s_split[warp][lane] = split;
+    __syncthreads();
+    if (warp == 0) {  // each candidate's estimate, and the least (on a tie the fewest cuts)
+      items = 0, split = 0;
+#pragma unroll 8
+      for (int k = 0; k < kWarps; ++k) items += s_items[k][lane], split += s_split[k][lane];
+      w = warp_sum64(s_w[lane]);
+      const float mx = (float)min(cb, bmax) + c0;
+      float e = items > p.sched_cap || split > p.sched_slots ? INFINITY
+              : items <= G ? mx : fmaxf(mx, ((float)w + c0 * items) / G + 0.5f * mx);
+      int best = lane;
+#pragma unroll
+      for (int o = 16; o; o >>= 1) {
+        const float e2 = __shfl_xor_sync(0xffffffffu, e, o);
+        const int b2 = __shfl_xor_sync(0xffffffffu, best, o);
+        if (e2 < e || (e2 == e && b2 < best)) e = e2, best = b2;
+      }
+      if (lane == best) s_cap = cb;
+    }
   }
   __syncthreads();
-  const int B = s_cap[s_best], items = s_items[s_best];
+  const int B = s_cap;
 
   // ---- the list, longest partitions first: a histogram by size, its exclusive scan, then each row
   // tile takes its place (within a size bucket in any order: a tile's partitions stay adjacent and in
   // order, so the merge, and the result, do not depend on it) ----
-  auto bucket_of = [&](int size) { return kBuckets - 1 - (int)((long long)size * (kBuckets - 1) / B); };
+  // (exact below kBuckets blocks a partition; above, sizes within B / 1023 blocks may share one)
+  auto bucket_of = [&](int size) {
+    return kBuckets - 1 - (B < kBuckets ? size : (int)((long long)size * (kBuckets - 1) / B));
+  };
   for (int u = tid; u < U; u += kThreads) {
     const int b = s_blocks[u];
-    if (b >= 0) atomicAdd(&s_bucket[bucket_of(cut(b, B).y)], cut(b, B).x);
+    if (b >= 0) {
+      const int2 k = cut(b, B);
+      atomicAdd(&s_bucket[bucket_of(k.y)], k.x);
+    }
   }
   __syncthreads();
   {
@@ -149,13 +153,13 @@ __global__ void __launch_bounds__(kThreads) mla_schedule_kernel(const MLAParams 
     }
     if (lane == 31) s_scan[warp] = x;
     __syncthreads();
-    int before = 0;
-    for (int i = 0; i < warp; ++i) before += s_scan[i];
+    const int before = __reduce_add_sync(0xffffffffu, lane < warp ? s_scan[lane] : 0);
     s_bucket[tid] = before + x - v;
   }
   __syncthreads();
   for (int u = tid; u < U; u += kThreads) {
     const int b = s_blocks[u];
+    if (p.sched_seen) p.sched_seen[u] = b;
     if (b < 0) {
       p.tile_parts[u] = make_int4(0, 0, 0, 0);
       continue;
@@ -167,7 +171,6 @@ __global__ void __launch_bounds__(kThreads) mla_schedule_kernel(const MLAParams 
     const int s = u / p.row_tiles, tile = u - s * p.row_tiles;
     for (int j = 0; j < k.x; ++j) p.work[pos + j] = make_int4(s, tile, j, 0);
   }
-  for (int i = items + tid; i < p.sched_cap; i += kThreads) p.work[i] = make_int4(-1, 0, 0, 0);
 }
 
 }  // namespace

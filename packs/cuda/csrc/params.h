@@ -107,6 +107,9 @@ struct MLAParams {
   // launch before the kernel (graph-safe: from the device's seq_lens).
   int4* work;
   int4* tile_parts;
+  // [num_seqs * row_tiles] or null (a plan's): the row tiles' block counts the list was made for; the
+  // schedule launch keeps the list where they are unchanged (INT_MIN at first: never)
+  int* sched_seen;
   int64_t qn_stride0, qn_stride1, qp_stride0, qp_stride1, out_stride0, out_stride1;
   int64_t ckv_block_stride, ckv_token_stride, kpe_block_stride, kpe_token_stride;
   int64_t bt_stride0;
