@@ -397,7 +397,7 @@ def test_plan_is_the_declaration_s():
 _TAKE = {"paged_attention": ((2, 3, 4, 5), ((9, 22), (10, 23))),
          "prefill": ((2, 3, 4, 5), ((10, 20), (11, 21))),
          "cache_kv": ((2, 3, 4, 5), ((7, 15), (8, 16))),
-         "mla_decode": ((2, 3, 4, 5, 6), ((10, 27), (11, 28)))}
+         "mla_decode": ((2, 3, 4, 5, 6), ((10, 30), (11, 31)))}
 
 
 def _launch_under_test(monkeypatch):
@@ -446,14 +446,18 @@ def _launch_under_test(monkeypatch):
     return launch, seen
 
 
-def _same_launch(a: tuple, b: tuple, workspace: tuple[int, int], counters: int | None = None) -> None:
+def _same_launch(a: tuple, b: tuple, workspace: tuple[int, ...], counters: int | None = None,
+                 plan_only: tuple[int, ...] = ()) -> None:
     """Two launches' arguments agree but for the workspace pointers (the plan's own, allocated once,
     vs the one-shot call's); both have a workspace or neither. ``counters``: the decode launch's row
-    counters, which only the plan (``b``) brings, with a workspace (its merge is in the kernel)."""
+    counters, which only the plan (``b``) brings, with a workspace (its merge is in the kernel);
+    ``plan_only``: other workspace pointers only the plan brings (MLA's schedule lengths)."""
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         if i in workspace:
             assert (x == 0) == (y == 0), f"argument {i}: workspace {x} vs {y}"
+        elif i in plan_only:
+            assert x == 0 and y != 0, f"argument {i}: {x} vs {y} (the plan's only)"
         elif i == counters:
             assert x == 0 and (y != 0) == (b[workspace[0]] != 0), f"argument {i}: counters {x} vs {y}"
         else:
@@ -686,7 +690,7 @@ def test_cuda_mla_kernel_choice(monkeypatch):
         seen.clear()
         launch.mla_decode(record)
         (name, a), = seen
-        return a[1], a[-2]  # row groups, own kernel
+        return a[1], a[-6]  # row groups, own kernel (then the balanced split's 4 ints and the stream)
 
     assert asked(128) == (4, 1) and asked(16) == (1, 1) and asked(32) == (2, 0) and asked(48) == (4, 1)
     assert asked(16, latent=torch.bfloat16) == (1, 0) and asked(16, latent=torch.float8_e5m2) == (1, 1)
@@ -721,9 +725,11 @@ def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     runner({"q_nope": qn, "q_pe": qp, "ckv_cache": ckv, "kpe_cache": kpe, "out": out, "ckv_scale": record.ckv_scale,
             "kpe_scale": 0.25})
     (_, one), (_, plan_args) = seen
-    _same_launch(one, plan_args, workspace=(12, 13))  # split in 2; MLA merges by the reduce launch, planned too
+    # the balanced split's workspace (partials, work list, row tiles' partitions); MLA merges by the reduce
+    # launch, planned too; only the plan keeps the lengths its list was made for (argument 17)
+    _same_launch(one, plan_args, workspace=(12, 13, 15, 16), plan_only=(17,))
     assert one[14] == plan_args[14] == 0   # no row counters
-    assert plan_args[10] == record.ckv_scale.data_ptr() and plan_args[28] == 0.25
+    assert plan_args[10] == record.ckv_scale.data_ptr() and plan_args[31] == 0.25
     # cache_kv: every argument but the stream
     k = torch.randn(5, 2, 64)
     kc = torch.zeros(4, 2, 8, 64, dtype=torch.float8_e4m3fn)

@@ -319,6 +319,7 @@ static MLALaunch make_mla(
   p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
   p.kernel = kernel;
   p.tile_rows = 16 * row_groups;
+  p.merge_rows = (int64_t)num_seqs * row_tiles * p.tile_rows >= 2048 ? 4 : 1;  // (mla_reduce.cu)
   // the balanced split: a work list of sched_cap entries, sched_slots partial slots of tile_rows rows
   p.work = ptr<int4>(work); p.tile_parts = ptr<int4>(tile_parts); p.sched_seen = ptr<int>(sched_seen);
   if ((p.work == nullptr) != (p.tile_parts == nullptr)) throw std::invalid_argument("work and tile_parts go together");

@@ -10,9 +10,11 @@
 
 namespace hal_cuda {
 
-// Rows a CTA merges from the work list: the grid is fixed when a graph is captured, so it covers every
-// row tile whether or not the schedule splits it, and a few rows a CTA keep the empty CTAs few (128
-// heads, nothing split: 64 sequences x 2 tiles x 16 CTAs, where a CTA a row was 8192).
+// Rows a CTA merges from the work list (params.merge_rows, 1 to kWorkRows): the grid is fixed when a
+// graph is captured, so it covers every row tile whether or not the schedule splits it. A row a CTA
+// merges fastest (one long merge a CTA: one 64K sequence cut in 128 at 16 heads, H100, 2026-12-06, 4 rows
+// a CTA took 2x the uniform split's reduce), but over many row tiles the empty CTAs cost (128 heads,
+// 64 sequences, nothing split: 8192 of them, 6.6 us); bindings.cpp takes 4 rows a CTA from 2048 rows.
 constexpr int kWorkRows = 4;
 
 __global__ void __launch_bounds__(128) mla_reduce_kernel(const MLAParams p) {
@@ -24,12 +26,13 @@ __global__ void __launch_bounds__(128) mla_reduce_kernel(const MLAParams p) {
     if (tp.y <= 1) return;            // unsplit (written by the kernel) or without rows
     int q0 = seq, qlen = 1;
     if (p.query_start_loc) q0 = p.query_start_loc[seq], qlen = p.query_start_loc[seq + 1] - q0;
-    const int r = tile * p.tile_rows + blockIdx.y * kWorkRows;  // this CTA's first row of the sequence
-    const int rows = min(kWorkRows, min(p.tile_rows - blockIdx.y * kWorkRows, qlen * p.num_heads - r));
+    const int r1 = (int)blockIdx.y * p.merge_rows;  // (signed: the row counts below may go negative)
+    const int r = tile * p.tile_rows + r1;           // this CTA's first row of the sequence
+    const int rows = min(p.merge_rows, min(p.tile_rows - r1, qlen * p.num_heads - r));
     if (rows <= 0) return;
     const MergeOut dst{p.out, (int64_t)q0 * p.out_stride0, p.out_stride0, p.out_stride1, r, p.num_heads,
                        p.q_is_bf16 != 0};
-    merge_partitions<512>(p.part_out, p.part_ml, (int64_t)tp.x * p.tile_rows + blockIdx.y * kWorkRows, 1,
+    merge_partitions<512>(p.part_out, p.part_ml, (int64_t)tp.x * p.tile_rows + r1, 1,
                           p.tile_rows, rows, 0, tp.y, cs, dst, scratch);
     return;
   }
@@ -41,7 +44,8 @@ __global__ void __launch_bounds__(128) mla_reduce_kernel(const MLAParams p) {
 
 int launch_mla_reduce(const MLAParams& p, cudaStream_t stream) {
   if (p.total_q == 0) return 0;
-  const dim3 grid = p.work ? dim3(p.num_seqs * p.row_tiles, (p.tile_rows + kWorkRows - 1) / kWorkRows)
+  if (p.work && (p.merge_rows < 1 || p.merge_rows > kWorkRows)) return (int)cudaErrorInvalidValue;
+  const dim3 grid = p.work ? dim3(p.num_seqs * p.row_tiles, (p.tile_rows + p.merge_rows - 1) / p.merge_rows)
                            : dim3(p.total_q, p.num_heads);
   mla_reduce_kernel<<<grid, 128, 0, stream>>>(p);
   return (int)cudaGetLastError();

@@ -117,6 +117,7 @@ struct MLAParams {
   int num_seqs, num_heads, total_q, block_size, block_shift;
   int partition_size, num_parts, row_tiles, q_is_bf16;
   int tile_rows;       // rows a CTA: 16, 32 or 64
+  int merge_rows;      // the work list's reduce: rows a CTA (1-4; mla_reduce.cu)
   // the balanced split: CTAs a wave (one an SM), most CTAs and partial slots (host-sized workspace),
   // a CTA's fixed cost in 64-token blocks (the cost model of mla_schedule.cu)
   int sched_ctas, sched_cap, sched_slots, sched_overhead;
