@@ -52,7 +52,8 @@ def test_summary_names_the_source_and_every_class():
         line = next(x for x in text.splitlines() if x.startswith(cls + ":"))
         assert ("a warp per row from" in line) == (p.get("warp_rows", 0) > 0), line
     assert text.splitlines()[-2].startswith("multi-token kernel: mma.sync (csrc/prefill.cuh)")
-    narrow = "; 16-row tiles: csrc/mla_narrow.cuh over FP8 latents, csrc/mla.cuh over 16-bit ones"
+    narrow = ("; 16-row tiles: csrc/mla_narrow.cuh over FP8 latents, csrc/mla.cuh over 16-bit ones"
+              "; contexts split over the SMs on the device (csrc/mla_schedule.cu)")
     assert text.splitlines()[-1] == "MLA decode, 64-row tiles: mma.sync (csrc/mla.cuh)" + narrow
     assert tuning.summary("sm_90").splitlines()[-1] == "MLA decode, 64-row tiles: wgmma (csrc/mla_sm90.cuh)" + narrow
 

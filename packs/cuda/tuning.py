@@ -106,5 +106,6 @@ def summary(arch: str) -> str:
                  + "; HAL_CUDA_PREFILL overrides")
     lines.append("MLA decode, 64-row tiles: " + ("wgmma (csrc/mla_sm90.cuh)" if t.get("mla", {}).get("wgmma")
                                                  else "mma.sync (csrc/mla.cuh)")
-                 + "; 16-row tiles: csrc/mla_narrow.cuh over FP8 latents, csrc/mla.cuh over 16-bit ones")
+                 + "; 16-row tiles: csrc/mla_narrow.cuh over FP8 latents, csrc/mla.cuh over 16-bit ones"
+                 + "; contexts split over the SMs on the device (csrc/mla_schedule.cu)")
     return "\n".join([head + ":"] + lines)
