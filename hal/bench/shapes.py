@@ -139,7 +139,7 @@ SETS: dict[str, tuple[str, ...]] = {
     # seconds on a 2-core CPU: 16 and 128 heads, ragged, two query rows
     "mla-cpu": ("mla:4x1024x16", "mla:2x2048x128", "mla:8x512x16:ragged", "mla:4x512x16:q2"),
     # seconds on a CPU: every MLA code path (page 16 and 64, ragged, two query rows per sequence)
-    "mla-tiny": ("mla:2x40x4:b16", "mla:3x100x8:b16:q2:ragged", "mla:2x70x16"),
+    "mla-tiny": ("mla:2x40x4:b16", "mla:3x600x8:b16:q2:ragged", "mla:2x70x16"),  # 600: the balanced split
 }
 
 
