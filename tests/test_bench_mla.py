@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+import hal
 from hal import fp8
 from hal import reference as hal_reference
 from hal.bench import check, mla, mla_baselines, shapes
@@ -241,6 +242,12 @@ def test_cpu_skip_reasons_of_the_gpu_only_contenders():
         {"torch", "flashmla", "flashmla-fp8", "flashinfer-mla"}
     if "hal:cuda" in by:  # the cuda pack's kernel choices: the mma.sync MLA kernel forced is MLA-only
         assert by["hal:cuda-mma"].ops == frozenset({"mla"}) and by["hal:cuda-wgmma"].ops == frozenset({"prefill", "mla"})
+        assert by["hal:cuda-uniform"].ops == frozenset({"mla"})
+        cuda = next(x for x in hal.packs() if x.NAME == "cuda")
+        if not cuda.availability.ok:  # a skip with the pack's reason, not an import error of its module
+            for n in ("hal:cuda-mma", "hal:cuda-wgmma", "hal:cuda-narrow", "hal:cuda-uniform"):
+                with pytest.raises(Skip, match="unavailable"):
+                    by[n].setup(p, {})
     assert all("mla" in by[n].ops for n in ("hal", "emu-torch", "emu-triton"))
     assert "mla" not in by["torch-sdpa"].ops
 

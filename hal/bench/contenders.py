@@ -264,8 +264,8 @@ def _hal_split(p: Problem, opts: dict) -> Prepared:
 def _hal_cuda_kernel(attr: str, kernel: str, source: str):
     """The cuda pack with one of its kernel choices (``launch.<attr>``) forced to ``kernel``."""
     def prepare(p: Problem, opts: dict) -> Prepared:
+        prepared = _hal("cuda")(p, opts)  # first: a skip with its reason where the pack is unavailable
         from hal.kernelpacks.cuda import launch
-        prepared = _hal("cuda")(p, opts)
         inner = prepared.run
 
         def run():
