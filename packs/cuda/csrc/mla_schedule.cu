@@ -14,8 +14,8 @@
 // scored by an estimate of the greedy schedule's makespan with a fixed cost of c0 blocks a CTA
 // (sched_overhead: the Q load, the partial's write and its merge), the longest partition taken as B:
 //   items <= G (one wave):  B + c0,   else:  max(B + c0, (W + c0 items) / G + (B + c0) / 2)
-// with W the batch's blocks (a Python model of this rule against a greedy simulation: within 2 % of the
-// best candidate on average; docs/cuda.md). Candidates that need more CTAs than sched_cap or more
+// with W the batch's blocks (tools/mla_split_model.py, this rule against a greedy dispatch: within 3 % of
+// the best candidate on average over random ragged batches; docs/cuda.md). Candidates that need more CTAs than sched_cap or more
 // partial slots than sched_slots (the workspace the host sized) are out; cutting nothing always fits.
 //
 // A plan's launches pass `sched_seen` (the row tiles' block counts the list was made for, INT_MIN at
