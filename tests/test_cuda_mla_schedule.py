@@ -25,15 +25,15 @@ CUDA_PRESENT = importlib.util.find_spec("hal.kernelpacks.cuda") is not None
 pytestmark = [pytest.mark.skipif(not CUDA_PRESENT, reason="the cuda pack is not in this tree"), pytest.mark.cuda]
 
 # (seq_lens, q_lens or None, heads): ragged batches over 16-, 32- and 64-row tiles, tiles without rows
-# (48 heads: a sequence of one query row has rows in the first of two 64-row tiles), empty sequences, one long
-# sequence, and a uniform batch (which must keep one partition size for every tile)
+# (48 heads: a sequence of one query row has rows in the first of two 64-row tiles), empty sequences, two long
+# sequences of one length, and a uniform batch (which must keep one partition size for every tile)
 SCHEDULE_CASES = {
     "ragged-16-heads": ([8192, 300, 5000, 64, 7000, 2500, 1, 4096] * 4, None, 16),
     "ragged-128-heads": ([6000, 257, 3000, 1200, 5999, 64], None, 128),
     "speculative-padding": ([3000, 700, 9, 4000], [2, 1, 2, 1], 48),
     "32-rows": ([4000, 100, 2000], [2, 2, 1], 16),
     "empty-sequences": ([0, 3000, 0, 1], [0, 3, 0, 1], 16),
-    "one-long": ([40000], None, 16),
+    "two-long": ([40000, 40000], None, 16),
     "uniform": ([2048] * 40, None, 16),
 }
 
@@ -109,8 +109,8 @@ def test_schedule_lists_every_partition_once(name, monkeypatch):
     assert all(0 <= a and b <= slots for a, b in used_slots)
     if name == "uniform":
         assert len({tuple(tp[1:3]) for tp in tile_parts}) == 1, tile_parts
-    if name == "one-long":  # cut to about fill the SMs
-        assert sms // 2 <= tile_parts[0][1] <= sms, (tile_parts[0], sms)
+    if name == "two-long":  # cut to about fill the SMs once
+        assert sms // 4 <= tile_parts[0][1] <= sms // 2 and tile_parts[0][1:] == tile_parts[1][1:], (tile_parts, sms)
 
 
 @pytest.mark.parametrize("kernel", ("mma", "wgmma", "narrow"))

@@ -705,6 +705,32 @@ def test_cuda_mla_kernel_choice(monkeypatch):
     assert asked(128) == (4, 0) and asked(128, attr="wgmma") == (4, 1)
 
 
+def test_cuda_mla_split_choice(monkeypatch):
+    """MLA decode's balanced split (a work list: argument 15; then the CTAs a wave, the list's length, the
+    partial slots and a CTA's fixed cost) for more than one sequence over 256 tokens; the uniform split
+    (host ints, no list) for one sequence, whose tiles are all as long, for contexts of at most 256
+    tokens, and under launch.MLA_SCHEDULE = "uniform"."""
+    launch, seen = _launch_under_test(monkeypatch)
+
+    def split(lens, schedule="device", heads=16):
+        q = torch.bfloat16
+        case = make_mla(lens, heads=heads, ckv_dtype=torch.float8_e4m3fn, kpe_dtype=q, query_dtype=q, seed=1)
+        record = hal.ops.prepare("mla_decode", q_nope=case["q_nope"], q_pe=case["q_pe"], ckv_cache=case["ckv_cache"],
+                                 kpe_cache=case["kpe_cache"], block_tables=case["block_tables"],
+                                 seq_lens=case["seq_lens"], scale=case["scale"], ckv_scale=case["ckv_scale"])
+        monkeypatch.setattr(launch, "MLA_SCHEDULE", schedule)
+        seen.clear()
+        launch.mla_decode(record)
+        (name, a), = seen
+        return a[15] != 0, tuple(a[-5:-1])
+
+    assert split([300, 9]) == (True, (132, 2 + 2 * 132, 2 * 132, 2))
+    assert split([300, 9], heads=128) == (True, (132, 4 + 2 * 132, 2 * 132, 2))  # two 64-row tiles a sequence
+    assert split([300]) == (False, (0, 0, 0, 0))
+    assert split([256, 9]) == (False, (0, 0, 0, 0))
+    assert split([300, 9], "uniform") == (False, (0, 0, 0, 0))
+
+
 def test_cuda_plan_launches_for_mla_and_cache_writes(monkeypatch):
     launch, seen = _launch_under_test(monkeypatch)
     case = make_mla([600, 70, 3], [2, 1, 1], r=512, p=64, heads=16, combined=True,

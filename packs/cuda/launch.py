@@ -75,8 +75,10 @@ IN_KERNEL_MERGE_MAX = 256
 # csrc/mla_schedule.cu, cuts each row tile by its own length from the device's seq_lens and lists the
 # partitions longest first; graph-safe) or "uniform" (every row tile cut by the longest sequence,
 # planned on the host: tuning.mla_split). "device" is taken where a context may be cut (max_seq_len
-# over MLA_MIN_PARTITION tokens) and the batch has at most _C's schedule limit of row tiles. The tests
-# and the bench set this.
+# over MLA_MIN_PARTITION tokens), the batch has more than one sequence (one sequence's tiles are all
+# as long, so the balanced split would make the uniform cut, and pay its launch: 1x65536x16 52.3 vs
+# 44.5 us, H100, 2026-12-06) and at most _C's schedule limit of row tiles. The tests and the bench set
+# this.
 MLA_SCHEDULE = "device"
 MLA_MIN_PARTITION = 256
 # The balanced split's workspace, in waves of one CTA an SM: at most sequences x row tiles + waves x SMs
@@ -346,7 +348,8 @@ def _mla_decode_args(call, q_nope, q_pe, out, planned: bool = False):
     own = _mla_own_kernel(groups, dev, call.ckv_cache.element_size() == 1)
     wgmma = own and groups == 4
     units = n * row_tiles
-    balanced = (MLA_SCHEDULE == "device" and call.max_seq_len > MLA_MIN_PARTITION and units <= MLA_SCHEDULE_TILES)
+    balanced = (MLA_SCHEDULE == "device" and n > 1 and call.max_seq_len > MLA_MIN_PARTITION
+                and units <= MLA_SCHEDULE_TILES)
     if balanced:
         size, parts = 64, 1
         cap, slots = units + MLA_SCHEDULE_WAVES * sms, MLA_SCHEDULE_WAVES * sms
