@@ -322,11 +322,17 @@ static MLALaunch make_mla(
   p.merge_rows = (int64_t)num_seqs * row_tiles * p.tile_rows >= 2048 ? 4 : 1;  // (mla_reduce.cu)
   // the balanced split: a work list of sched_cap entries, sched_slots partial slots of tile_rows rows
   p.work = ptr<int4>(work); p.tile_parts = ptr<int4>(tile_parts); p.sched_seen = ptr<int>(sched_seen);
-  if ((p.work == nullptr) != (p.tile_parts == nullptr)) throw std::invalid_argument("work and tile_parts go together");
+  if ((p.work == nullptr) != (p.tile_parts == nullptr))
+    throw std::invalid_argument(std::string("mla_decode: work and tile_parts must both be set or both be 0; got work ") +
+                                (work ? "set" : "0") + ", tile_parts " + (tile_parts ? "set" : "0"));
   if (p.work && (num_seqs * row_tiles > kMlaScheduleTiles || sched_cap < num_seqs * row_tiles || sched_ctas < 1 ||
                  sched_slots < 0 || sched_overhead < 0))
-    throw std::invalid_argument("the balanced split needs num_seqs x row_tiles <= " + std::to_string(kMlaScheduleTiles) +
-                                " <= sched_cap, sched_ctas >= 1 and sched_slots, sched_overhead >= 0");
+    throw std::invalid_argument("mla_decode: the balanced split needs num_seqs x row_tiles <= " +
+                                std::to_string(kMlaScheduleTiles) + " and <= sched_cap, sched_ctas >= 1, sched_slots >= 0 "
+                                "and sched_overhead >= 0; got num_seqs " + std::to_string(num_seqs) + " x row_tiles " +
+                                std::to_string(row_tiles) + ", sched_cap " + std::to_string(sched_cap) + ", sched_ctas " +
+                                std::to_string(sched_ctas) + ", sched_slots " + std::to_string(sched_slots) +
+                                ", sched_overhead " + std::to_string(sched_overhead));
   p.sched_ctas = sched_ctas; p.sched_cap = sched_cap; p.sched_slots = sched_slots; p.sched_overhead = sched_overhead;
   return l;
 }
