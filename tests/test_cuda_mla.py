@@ -212,6 +212,20 @@ def test_forced_wgmma_kernel_graph_replay_equals_eager(monkeypatch):
     test_cuda_graph_replay_equals_eager()
 
 
+# launch.MLA_KERNEL = "mma": csrc/mla.cuh's tile loads over every page class, for each row tile (16 rows:
+# 64-token tiles; 32 rows: 64; 64 rows: 32): a tile in one page, or over several (its page ids read
+# together, then a copy a row), and pages of fewer than 8 tokens; partial tiles at the sequences' ends.
+@pytest.mark.parametrize("block_size", (1, 4, 8, 16, 32, 64))
+@pytest.mark.parametrize("heads", (16, 32, 64))
+@pytest.mark.parametrize("cache", (torch.bfloat16, torch.float8_e4m3fn), ids=str)
+def test_forced_mma_kernel_pages(block_size, heads, cache, monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "MLA_KERNEL", "mma")
+    q = _query_for(cache)
+    _check(make_mla([77, 130, 5], heads=heads, ckv_dtype=cache, kpe_dtype=q, query_dtype=q, block_size=block_size,
+                    seed=block_size + heads), multi=False)
+
+
 # launch.MLA_KERNEL = "narrow": csrc/mla_narrow.cuh for 16-row tiles (up to 16 rows a sequence; every arch).
 # Cases: (seq_lens, q_lens or None, heads, block_size): odd lengths and tokens past a tile's end, row
 # padding (1 head; 5 heads x 3 tokens = 15 rows), every block size class of the tile loads (a tile in

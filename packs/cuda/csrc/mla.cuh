@@ -182,42 +182,58 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   // A tile starts at a multiple of N, so with block_size >= N it lies in one page: one table read.
   const bool one_page = p.block_size >= T::N;
   int64_t page = 0;
-  auto page_of = [&](int pos) -> int64_t { return one_page ? page : table[pos >> p.block_shift]; };
-  auto ckv_row = [&](int pos) {
-    return p.ckv + page_of(pos) * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
-  };
-  auto kpe_row = [&](int pos) {
-    return p.kpe + page_of(pos) * p.kpe_block_stride + (int64_t)(pos & bmask) * p.kpe_token_stride;
-  };
   uint4 pre[kFp8 ? T::kPre : 1];
   // Issue tile s's loads into buffer b: rope (and a 16-bit latent) by cp.async, an FP8 latent into pre.
   // Loops with constant trip counts (unrolled): a thread's chunks of a tile are rows j0 + step * i
   // at one column, so a row's address is the previous one plus a constant on a one-page tile.
   auto load_tile = [&](int b, int s) {
     uint16_t* dst = sk + b * T::N * kStr;
-    if (one_page) page = table[s >> p.block_shift];
+    constexpr int NR = T::N * 8 / kThreads, NL = kFp8 ? T::kPre : T::N * 64 / kThreads;  // chunks a thread
+    constexpr int LS = kFp8 ? 5 : 6;  // chunk -> row: a latent row is 32 (FP8) or 64 chunks
+    // A tile over several pages: the page id of each of this thread's rows, all read before any is
+    // used so that their latencies overlap (read beside each chunk's copy, each read's latency was paid
+    // in turn before the copy could be issued: 13-24 % on pages of 16)
+    int pr[NR], pl[NL];
+    if (one_page) {
+      page = table[s >> p.block_shift];
+    } else {
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const int pos = s + ((tid + i * kThreads) >> 3);
+        pr[i] = pos < p1 ? table[pos >> p.block_shift] : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < NL; ++i) {
+        const int pos = s + ((tid + i * kThreads) >> LS);
+        pl[i] = pos < p1 ? table[pos >> p.block_shift] : 0;
+      }
+    }
     const uint8_t* c0 = p.ckv + page * p.ckv_block_stride + (int64_t)(s & bmask) * p.ckv_token_stride;
     const uint8_t* k0 = p.kpe + page * p.kpe_block_stride + (int64_t)(s & bmask) * p.kpe_token_stride;
+    auto ckv_at = [&](int i, int pos) {
+      return p.ckv + (int64_t)pl[i] * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
+    };
 #pragma unroll
-    for (int i = 0; i < T::N * 8 / kThreads; ++i) {
+    for (int i = 0; i < NR; ++i) {
       const int c = tid + i * kThreads, j = c >> 3, ch = c & 7, pos = s + j;
       const bool ok = pos < p1;
-      const uint8_t* src = one_page ? k0 + (int64_t)j * p.kpe_token_stride : kpe_row(pos);
+      const uint8_t* src = one_page ? k0 + (int64_t)j * p.kpe_token_stride
+                                    : p.kpe + (int64_t)pr[i] * p.kpe_block_stride + (int64_t)(pos & bmask) * p.kpe_token_stride;
       cp_async16(smem_addr(dst + j * kStr + kR + ch * 8), ok ? src + ch * 16 : p.kpe, ok);
     }
     if constexpr (!kFp8) {
 #pragma unroll
-      for (int i = 0; i < T::N * 64 / kThreads; ++i) {
+      for (int i = 0; i < NL; ++i) {
         const int c = tid + i * kThreads, j = c >> 6, ch = c & 63, pos = s + j;
         const bool ok = pos < p1;
-        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_row(pos);
+        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_at(i, pos);
         cp_async16(smem_addr(dst + j * kStr + ch * 8), ok ? src + ch * 16 : p.ckv, ok);
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < T::kPre; ++i) {
+      for (int i = 0; i < NL; ++i) {
         const int c = tid + i * kThreads, j = c >> 5, ch = c & 31, pos = s + j;
-        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_row(pos);
+        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_at(i, pos);
         pre[i] = pos < p1 ? __ldg(reinterpret_cast<const uint4*>(src + ch * 16)) : make_uint4(0, 0, 0, 0);
       }
     }

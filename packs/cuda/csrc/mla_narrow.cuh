@@ -107,28 +107,43 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   const int64_t ckv_step = 8 * p.ckv_token_stride, kpe_step = 8 * p.kpe_token_stride;  // token g -> g + 8
   // A whole tile over pages of >= 8 tokens (the common case) walks two pointers 8 tokens a step and
   // looks a page up only where one starts: tiles start at multiples of N, so a tile either lies in one
-  // page from row s mod block_size (pages of more than N tokens) or starts a page (N or fewer), and
-  // token s + 8j + g is in page slot (s + 8j) / block_size. A tile past the partition's end or over
-  // smaller pages takes the general path, a lookup and a bounds check a token.
+  // page from row s mod block_size (pages of N tokens or more) or starts a page (fewer), and token
+  // s + 8j + g is in page slot (s + 8j) / block_size. The page steps are compile-time (KS: 8-token
+  // steps a page, capped at NJ), and a tile's page ids are all read before any is used, so their
+  // latencies overlap (looked up in turn, pages of 16 tokens paid four a tile before the last page's
+  // loads went out). A tile past the partition's end or over smaller pages takes the general path, a
+  // lookup and a bounds check a token.
+  // (called with a constant KS, so that the page steps fold after inlining)
+  auto load_pages = [&](const int KS, int s, uint32_t (&dst)[NJ][W], uint32_t (&dr)[NJ]) {
+    const int* tp = table + (s >> p.block_shift);
+    int pid[NJ];
+#pragma unroll
+    for (int q = 0; q < NJ; ++q)
+      if (q < NJ / KS) pid[q] = tp[q];
+    const int64_t row = (int64_t)((s & bmask) + g);
+    const uint8_t* c = nullptr;
+    const uint8_t* r = nullptr;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      if (j % KS == 0) {
+        const int64_t page = pid[j / KS];
+        c = p.ckv + page * p.ckv_block_stride + row * p.ckv_token_stride + col0 * Traits<K>::kBytes;
+        r = p.kpe + page * p.kpe_block_stride + row * p.kpe_token_stride + rope0 * 2;
+      }
+      load_bytes<16>(c, dst[j]);
+      if constexpr (W == 8) load_bytes<16>(c + 16, dst[j] + 4);
+      dr[j] = __ldg(reinterpret_cast<const uint32_t*>(r));
+      c += ckv_step;
+      r += kpe_step;
+    }
+  };
   auto load_tile = [&](int s, uint32_t (&dst)[NJ][W], uint32_t (&dr)[NJ]) {
     if (p.block_size >= 8 && s + N <= p1) {
-      const int* tp = table + (s >> p.block_shift);
-      const uint8_t* c = nullptr;
-      const uint8_t* r = nullptr;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        if (((8 * j) & bmask) == 0) {
-          const int64_t page = tp[(8 * j) >> p.block_shift];
-          const int64_t row = (int64_t)((s & bmask) + g);
-          c = p.ckv + page * p.ckv_block_stride + row * p.ckv_token_stride + col0 * Traits<K>::kBytes;
-          r = p.kpe + page * p.kpe_block_stride + row * p.kpe_token_stride + rope0 * 2;
-        }
-        load_bytes<16>(c, dst[j]);
-        if constexpr (W == 8) load_bytes<16>(c + 16, dst[j] + 4);
-        dr[j] = __ldg(reinterpret_cast<const uint32_t*>(r));
-        c += ckv_step;
-        r += kpe_step;
-      }
+      const int ks = p.block_size >> 3;  // CTA-uniform
+      if (ks >= NJ) load_pages(NJ, s, dst, dr);
+      else if (ks == 4) load_pages(4, s, dst, dr);  // (block_size is a power of two)
+      else if (ks == 2) load_pages(2, s, dst, dr);
+      else load_pages(1, s, dst, dr);
       return;
     }
 #pragma unroll
