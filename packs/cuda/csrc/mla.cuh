@@ -188,12 +188,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
   // at one column, so a row's address is the previous one plus a constant on a one-page tile.
   auto load_tile = [&](int b, int s) {
     uint16_t* dst = sk + b * T::N * kStr;
-    constexpr int NR = T::N * 8 / kThreads, NL = kFp8 ? T::kPre : T::N * 64 / kThreads;  // chunks a thread
-    constexpr int LS = kFp8 ? 5 : 6;  // chunk -> row: a latent row is 32 (FP8) or 64 chunks
-    // A tile over several pages: the page id of each of this thread's rows, all read before any is
-    // used so that their latencies overlap (read beside each chunk's copy, each read's latency was paid
-    // in turn before the copy could be issued: 13-24 % on pages of 16)
-    int pr[NR], pl[NL];
+    constexpr int NR = T::N * 8 / kThreads, NL = T::N * 64 / kThreads;  // chunks a thread (NL: 16-bit)
+    // A tile over several pages: the page id of each of this thread's rows, all read before any is used
+    // so that their latencies overlap (read beside each chunk's copy, each read's latency was paid in
+    // turn before the copy could be issued: 2.5-5 % on pages of 16, H100). An FP8 latent's rows are
+    // warp-uniform (row warp + 8i of chunk i): lane i reads row i's page id and the others take it by
+    // shfl, so no address waits on a load issued beside the prefetch (read by each thread, ptxas gave
+    // the ids and the prefetch one scoreboard, and every later address then waited for the prefetch
+    // itself: 1.43x slower on pages of 16, H100, 64x4096x32).
+    int pr[NR], pl[kFp8 ? 1 : NL], pf = 0;
     if (one_page) {
       page = table[s >> p.block_shift];
     } else {
@@ -202,17 +205,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
         const int pos = s + ((tid + i * kThreads) >> 3);
         pr[i] = pos < p1 ? table[pos >> p.block_shift] : 0;
       }
+      if constexpr (kFp8) {
+        const int pos = s + warp + 8 * lane;
+        if (lane < T::kPre && pos < p1) pf = table[pos >> p.block_shift];
+      } else {
 #pragma unroll
-      for (int i = 0; i < NL; ++i) {
-        const int pos = s + ((tid + i * kThreads) >> LS);
-        pl[i] = pos < p1 ? table[pos >> p.block_shift] : 0;
+        for (int i = 0; i < NL; ++i) {
+          const int pos = s + ((tid + i * kThreads) >> 6);
+          pl[i] = pos < p1 ? table[pos >> p.block_shift] : 0;
+        }
       }
     }
     const uint8_t* c0 = p.ckv + page * p.ckv_block_stride + (int64_t)(s & bmask) * p.ckv_token_stride;
     const uint8_t* k0 = p.kpe + page * p.kpe_block_stride + (int64_t)(s & bmask) * p.kpe_token_stride;
-    auto ckv_at = [&](int i, int pos) {
-      return p.ckv + (int64_t)pl[i] * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
-    };
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
       const int c = tid + i * kThreads, j = c >> 3, ch = c & 7, pos = s + j;
@@ -226,14 +231,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
       for (int i = 0; i < NL; ++i) {
         const int c = tid + i * kThreads, j = c >> 6, ch = c & 63, pos = s + j;
         const bool ok = pos < p1;
-        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_at(i, pos);
+        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride
+                                      : p.ckv + (int64_t)pl[i] * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
         cp_async16(smem_addr(dst + j * kStr + ch * 8), ok ? src + ch * 16 : p.ckv, ok);
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < NL; ++i) {
+      for (int i = 0; i < T::kPre; ++i) {
         const int c = tid + i * kThreads, j = c >> 5, ch = c & 31, pos = s + j;
-        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride : ckv_at(i, pos);
+        const int pg = __shfl_sync(0xffffffffu, pf, i);  // (warp-uniform: every lane takes part)
+        const uint8_t* src = one_page ? c0 + (int64_t)j * p.ckv_token_stride
+                                      : p.ckv + (int64_t)pg * p.ckv_block_stride + (int64_t)(pos & bmask) * p.ckv_token_stride;
         pre[i] = pos < p1 ? __ldg(reinterpret_cast<const uint4*>(src + ch * 16)) : make_uint4(0, 0, 0, 0);
       }
     }

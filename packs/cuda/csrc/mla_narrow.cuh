@@ -109,17 +109,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   // looks a page up only where one starts: tiles start at multiples of N, so a tile either lies in one
   // page from row s mod block_size (pages of N tokens or more) or starts a page (fewer), and token
   // s + 8j + g is in page slot (s + 8j) / block_size. The page steps are compile-time (KS: 8-token
-  // steps a page, capped at NJ), and a tile's page ids are all read before any is used, so their
-  // latencies overlap (looked up in turn, pages of 16 tokens paid four a tile before the last page's
+  // steps a page, capped at NJ), and a tile's page ids are read at once, a lane each, before any is
+  // used (looked up in turn, pages of 16 tokens paid four latencies a tile before the last page's
   // loads went out). A tile past the partition's end or over smaller pages takes the general path, a
   // lookup and a bounds check a token.
   // (called with a constant KS, so that the page steps fold after inlining)
   auto load_pages = [&](const int KS, int s, uint32_t (&dst)[NJ][W], uint32_t (&dr)[NJ]) {
-    const int* tp = table + (s >> p.block_shift);
+    // lane q reads page q of the tile, the others take it by shfl: one load and one wait
+    const int mine = lane < NJ / KS ? table[(s >> p.block_shift) + lane] : 0;
     int pid[NJ];
 #pragma unroll
     for (int q = 0; q < NJ; ++q)
-      if (q < NJ / KS) pid[q] = tp[q];
+      if (q < NJ / KS) pid[q] = __shfl_sync(0xffffffffu, mine, q);
     const int64_t row = (int64_t)((s & bmask) + g);
     const uint8_t* c = nullptr;
     const uint8_t* r = nullptr;
