@@ -246,12 +246,9 @@ NARROW_MLA_CASES = {
 
 @pytest.mark.parametrize("case", sorted(NARROW_MLA_CASES))
 @pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16, *FP8_CACHES), ids=str)
-@pytest.mark.parametrize("layout", ("narrow", "narrow-small"))
-def test_forced_narrow_kernel(case, cache, layout, monkeypatch):
-    """Both shared-memory layouts of the narrow kernel ("narrow-small": the one GPUs with ~99 KiB a CTA
-    take, FP8 tiles of 32 tokens, fewer stages in its ring), whatever this GPU has."""
+def test_forced_narrow_kernel(case, cache, monkeypatch):
     from hal.kernelpacks.cuda import launch
-    monkeypatch.setattr(launch, "MLA_KERNEL", layout)
+    monkeypatch.setattr(launch, "MLA_KERNEL", "narrow")
     lens, q_lens, heads, bs = NARROW_MLA_CASES[case]
     q = _query_for(cache)
     _check(make_mla(lens, q_lens, heads=heads, ckv_dtype=cache, kpe_dtype=q, query_dtype=q, block_size=bs,

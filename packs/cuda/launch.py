@@ -54,8 +54,7 @@ WGMMA_MIN_FILL = 0.5
 # "mla" "wgmma" for 64-row tiles, and the narrow kernel for 16-row tiles over an FP8 latent (1.2-1.3x
 # mla.cuh there; over a 16-bit latent it is no faster, and slower on ragged batches: H100, 2026-12-05,
 # docs/cuda.md); "mma": mla.cuh for every tile; "wgmma" or "narrow": that kernel for its tiles, mla.cuh for
-# the others; "narrow-small": the narrow kernel in the shared-memory layout it takes on GPUs with ~99 KiB a
-# CTA (sm_89, sm_120), on any GPU. The tests and the bench set this.
+# the others. The tests and the bench set this.
 MLA_KERNEL = "auto"
 # Where a split context's partitions are merged: "auto" (decode: in the kernel for a plan, whose row
 # counters are zeroed once when it is made and left zero by every launch, and by the reduce kernel
@@ -106,7 +105,7 @@ def _mla_own_kernel(groups: int, device: torch.device, fp8_latent: bool) -> bool
     if name is None:
         return False
     if MLA_KERNEL != "auto":
-        return MLA_KERNEL.removesuffix("-small") == name
+        return MLA_KERNEL == name
     if name == "narrow":
         return fp8_latent
     _, arch = _device_facts(_device_index(device))
@@ -392,7 +391,7 @@ def _mla_decode_args(call, q_nope, q_pe, out, planned: bool = False):
         call.seq_lens.data_ptr(), 0 if qsl is None else qsl.data_ptr(), csp, psp, *ws, *sched, q_nope.stride(0),
         q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1), cbs, cts, pbs, pts,
         call.block_tables.stride(0), call.scale, cs, ps, n, h, total_q, call.ckv_cache.shape[1], size, parts,
-        row_tiles, int(q_nope.dtype == torch.bfloat16), 2 if own and MLA_KERNEL == "narrow-small" else int(own), *tail]
+        row_tiles, int(q_nope.dtype == torch.bfloat16), int(own), *tail]
     return args, workspace
 
 

@@ -317,7 +317,6 @@ static MLALaunch make_mla(
   p.block_shift = block_shift(block_size);
   if (partition_size % 64 != 0) throw std::invalid_argument("partition_size must be a multiple of 64");
   p.partition_size = partition_size; p.num_parts = num_parts; p.row_tiles = row_tiles; p.q_is_bf16 = q_is_bf16;
-  if (kernel < 0 || kernel > 2) throw std::invalid_argument("kernel must be 0 (mla.cuh), 1 (the tile's own) or 2 (narrow, small layout)");
   p.kernel = kernel;
   p.tile_rows = 16 * row_groups;
   p.merge_rows = (int64_t)num_seqs * row_tiles * p.tile_rows >= 2048 ? 4 : 1;  // (mla_reduce.cu)

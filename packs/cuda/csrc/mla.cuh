@@ -195,7 +195,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_kernel(const MLAParams p) {
     // warp-uniform (row warp + 8i of chunk i): lane i reads row i's page id and the others take it by
     // shfl, so no address waits on a load issued beside the prefetch (read by each thread, ptxas gave
     // the ids and the prefetch one scoreboard, and every later address then waited for the prefetch
-    // itself: 1.43x slower on pages of 16, H100, 64x4096x32).
+    // itself: 1.43x slower on pages of 16, H100, 64x4096x32; this way 4.7 % faster there than a read
+    // beside each chunk).
     int pr[NR], pl[kFp8 ? 1 : NL], pf = 0;
     if (one_page) {
       page = table[s >> p.block_shift];

@@ -28,36 +28,18 @@
 #include "merge.cuh"
 #include "mla.cuh"
 #include "params.h"
-#include "sync.cuh"
 
 namespace hal_cuda {
 namespace mla {
 
-// kBig: the layout for GPUs with ~227 KiB of shared memory a CTA (sm_90, sm_100); else the one that
-// fits ~99 KiB (sm_89, sm_120): FP8 tiles of 32 tokens, fewer stages.
-template <bool kFp8, bool kBig> struct Narrow {
-  // tokens a tile (a 16-bit latent's fragments take twice the registers)
-  static constexpr int N = kFp8 && kBig ? 64 : 32;
+template <bool kFp8> struct Narrow {
+  static constexpr int N = kFp8 ? 64 : 32;  // tokens a tile (a 16-bit latent's fragments take twice the registers)
   static constexpr int NJ = N / 8;          // n8 token tiles of S a warp
   static constexpr int TL = N / 16;         // tokens a lane reduces (16 lanes a row)
   static constexpr int SStr = N + 8;        // partial-S row stride (floats): a fragment store is 2 wavefronts
   static constexpr int PStr = N + 8;        // P row stride (16-bit): ldmatrix rows 16 banks apart
   static constexpr int kWords = kFp8 ? 4 : 8;  // latent words a thread loads a token
-  // The ring of raw tiles in shared memory (cp.async, kStages - 1 tiles ahead). A thread reads back only
-  // the bytes it copied, so a stage needs no barrier: per stage, each warp's latent (N tokens x its 64
-  // columns) then each warp's rope (N tokens x its 8 columns); a quarter-warp's reads are contiguous.
-  static constexpr int kStages = kBig ? 4 : kFp8 ? 3 : 2;
-  static constexpr int kLat = 4 * kWords;          // a thread's latent bytes a token
-  static constexpr int kWarpLat = N * 4 * kLat;    // a warp's latent bytes a tile
-  static constexpr int kWarpRope = N * 16;         // a warp's rope bytes a tile (8 16-bit columns)
-  static constexpr int kStage = kWarps * (kWarpLat + kWarpRope);
-  static constexpr int kSmem = kStages * kStage;   // dynamic shared memory
 };
-
-// 4 bytes global -> shared; ok == false zero-fills (nothing is read).
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0));
-}
 
 // D = A(16x8, row) * B(8x8, col) + D, fp32 accumulators (the rope's k8 slice of a warp).
 template <bool kBf16>
@@ -71,19 +53,18 @@ __device__ __forceinline__ void mma1688(float (&d)[4], uint32_t a0, uint32_t a1,
   }
 }
 
-template <Kind K, bool kQBf16, bool kBig>
+template <Kind K, bool kQBf16>
 __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams p) {
   constexpr bool kFp8 = Traits<K>::kFp8;
   constexpr bool kNopeBf16 = K == Kind::BF16;  // the latent products' MMA type (FP8 widens to fp16)
   constexpr bool kRescale = kFp8 && kQBf16;
   static_assert(kFp8 || (K == Kind::BF16) == kQBf16, "a 16-bit latent has the query's dtype");
-  using T = Narrow<kFp8, kBig>;
+  using T = Narrow<kFp8>;
   constexpr int N = T::N, NJ = T::NJ, TL = T::TL, W = T::kWords;
   __shared__ __align__(16) float s_part[kWarps][16][T::SStr];  // each warp's partial S
   __shared__ __align__(16) uint16_t s_p[16][T::PStr];          // P
   __shared__ float s_alpha[16];                                // this tile's rescale factor a row
   __shared__ float s_red[64];                                  // amax, row sums, the merge's scratch
-  extern __shared__ __align__(16) uint8_t ring[];              // T::kStages raw tiles
 
   Item it;
   if (!mla_item<16>(p, it)) return;
@@ -120,93 +101,58 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   const int col0 = warp * 64 + t * 16;  // this thread's 16 latent columns
   const int rope0 = warp * 8 + 2 * t;   // and its 2 rope columns
 
-  // ---- the K/V tile loads: tokens s + 8j + g, j < NJ, by cp.async into a stage of the ring ----
+  // ---- the K/V tile loads: tokens s + 8j + g, j < NJ, into registers ----
   const int* table = p.block_tables + (int64_t)seq * p.bt_stride0;
   const int bmask = p.block_size - 1;
   const int64_t ckv_step = 8 * p.ckv_token_stride, kpe_step = 8 * p.kpe_token_stride;  // token g -> g + 8
-  // this thread's bytes of a stage: token 8j + g at my_lat + j * kLatStep and my_rope + j * 128
-  constexpr int kLatStep = 8 * 4 * T::kLat;
-  const uint32_t ring0 = smem_addr(ring);
-  const uint32_t my_lat = warp * T::kWarpLat + g * 4 * T::kLat + t * T::kLat;
-  const uint32_t my_rope = kWarps * T::kWarpLat + warp * T::kWarpRope + g * 16 + 4 * t;
-  auto copy_token = [&](uint32_t st, int j, const uint8_t* c, const uint8_t* r, bool ok) {
-    cp_async16(st + my_lat + j * kLatStep, ok ? c : p.ckv, ok);
-    if constexpr (W == 8) cp_async16(st + my_lat + j * kLatStep + 16, ok ? c + 16 : p.ckv, ok);
-    cp_async4(st + my_rope + j * 128, ok ? r : p.kpe, ok);
-  };
   // A whole tile over pages of >= 8 tokens (the common case) walks two pointers 8 tokens a step and
   // looks a page up only where one starts: tiles start at multiples of N, so a tile either lies in one
-  // page from row s mod block_size (pages of N tokens or more) or starts a page (fewer), and token
-  // s + 8j + g is in page slot (s + 8j) / block_size. The page steps are compile-time (KS: 8-token
-  // steps a page, capped at NJ), and a tile's page ids are read at once, a lane each, before any is
-  // used (looked up in turn, pages of 16 tokens paid four latencies a tile before the last page's
-  // copies went out). A tile past the partition's end or over smaller pages takes the general path, a
-  // lookup and a bounds check a token.
-  // (called with a constant KS, so that the page steps fold after inlining)
-  auto load_pages = [&](const int KS, int s, uint32_t st) {
-    // lane q reads page q of the tile, the others take it by shfl: one load and one wait
-    const int mine = lane < NJ / KS ? table[(s >> p.block_shift) + lane] : 0;
-    int pid[NJ];
-#pragma unroll
-    for (int q = 0; q < NJ; ++q)
-      if (q < NJ / KS) pid[q] = __shfl_sync(0xffffffffu, mine, q);
-    const int64_t row = (int64_t)((s & bmask) + g);
-    const uint8_t* c = nullptr;
-    const uint8_t* r = nullptr;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      if (j % KS == 0) {
-        const int64_t page = pid[j / KS];
-        c = p.ckv + page * p.ckv_block_stride + row * p.ckv_token_stride + col0 * Traits<K>::kBytes;
-        r = p.kpe + page * p.kpe_block_stride + row * p.kpe_token_stride + rope0 * 2;
-      }
-      copy_token(st, j, c, r, true);
-      c += ckv_step;
-      r += kpe_step;
-    }
-  };
-  auto load_tile = [&](int s, int stage) {
-    const uint32_t st = ring0 + stage * T::kStage;
+  // page from row s mod block_size (pages of more than N tokens) or starts a page (N or fewer), and
+  // token s + 8j + g is in page slot (s + 8j) / block_size. A tile past the partition's end or over
+  // smaller pages takes the general path, a lookup and a bounds check a token.
+  auto load_tile = [&](int s, uint32_t (&dst)[NJ][W], uint32_t (&dr)[NJ]) {
     if (p.block_size >= 8 && s + N <= p1) {
-      const int ks = p.block_size >> 3;  // CTA-uniform
-      if (ks >= NJ) load_pages(NJ, s, st);
-      else if (ks == 4) load_pages(4, s, st);  // (block_size is a power of two)
-      else if (ks == 2) load_pages(2, s, st);
-      else load_pages(1, s, st);
+      const int* tp = table + (s >> p.block_shift);
+      const uint8_t* c = nullptr;
+      const uint8_t* r = nullptr;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        if (((8 * j) & bmask) == 0) {
+          const int64_t page = tp[(8 * j) >> p.block_shift];
+          const int64_t row = (int64_t)((s & bmask) + g);
+          c = p.ckv + page * p.ckv_block_stride + row * p.ckv_token_stride + col0 * Traits<K>::kBytes;
+          r = p.kpe + page * p.kpe_block_stride + row * p.kpe_token_stride + rope0 * 2;
+        }
+        load_bytes<16>(c, dst[j]);
+        if constexpr (W == 8) load_bytes<16>(c + 16, dst[j] + 4);
+        dr[j] = __ldg(reinterpret_cast<const uint32_t*>(r));
+        c += ckv_step;
+        r += kpe_step;
+      }
       return;
     }
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int pos = s + 8 * j + g;
-      const bool ok = pos < p1;
-      const int64_t page = ok ? table[pos >> p.block_shift] : 0;
-      const int64_t off = (int64_t)(pos & bmask);
-      copy_token(st, j, p.ckv + page * p.ckv_block_stride + off * p.ckv_token_stride + col0 * Traits<K>::kBytes,
-                 p.kpe + page * p.kpe_block_stride + off * p.kpe_token_stride + rope0 * 2, ok);
-    }
-  };
-  // This thread's bytes of a landed stage into registers (the tile's K fragments and rope words).
-  auto read_tile = [&](int stage, uint32_t (&dst)[NJ][W], uint32_t (&dr)[NJ]) {
-    const uint8_t* st = ring + stage * T::kStage;
+      if (pos < p1) {
+        const int64_t page = table[pos >> p.block_shift];
+        const int64_t off = (int64_t)(pos & bmask);
+        const uint8_t* c = p.ckv + page * p.ckv_block_stride + off * p.ckv_token_stride + col0 * Traits<K>::kBytes;
+        load_bytes<16>(c, dst[j]);
+        if constexpr (W == 8) load_bytes<16>(c + 16, dst[j] + 4);
+        dr[j] = __ldg(reinterpret_cast<const uint32_t*>(p.kpe + page * p.kpe_block_stride + off * p.kpe_token_stride) + rope0 / 2);
+      } else {
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const uint4 v = *reinterpret_cast<const uint4*>(st + my_lat + j * kLatStep);
-      dst[j][0] = v.x, dst[j][1] = v.y, dst[j][2] = v.z, dst[j][3] = v.w;
-      if constexpr (W == 8) {
-        const uint4 u = *reinterpret_cast<const uint4*>(st + my_lat + j * kLatStep + 16);
-        dst[j][4] = u.x, dst[j][5] = u.y, dst[j][6] = u.z, dst[j][7] = u.w;
+        for (int i = 0; i < W; ++i) dst[j][i] = 0u;
+        dr[j] = 0u;
       }
-      dr[j] = *reinterpret_cast<const uint32_t*>(st + my_rope + j * 128);
     }
   };
-  constexpr int NS = T::kStages;
+  // buf0 / rb0: where a tile's loads land; buf1 / rb1: the tile being computed, copied out of buf0 so
+  // that the next tile's loads go out before it (two named buffers in turn spill: 255 registers)
+  uint32_t buf0[NJ][W], rb0[NJ], buf1[NJ][W], rb1[NJ];
   const int ntiles = p1 > p0 ? (p1 - p0 + N - 1) / N : 0;
-  // the first NS - 1 tiles in flight while Q is read (a group each, empty past the last tile)
-#pragma unroll
-  for (int i = 0; i < NS - 1; ++i) {
-    if (i < ntiles) load_tile(p0 + i * N, i);
-    cp_async_commit();
-  }
+  if (ntiles > 0) load_tile(p0, buf0, rb0);  // in flight while Q is read
 
   // ---- Q: rows g, g + 8; latent columns col0..col0+15 (permuted into k steps), rope columns rope0, +1 ----
   uint32_t qw[2][8], qr[2];
@@ -356,15 +302,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   };
   for (int it = 0; it < ntiles; ++it) {
     const int s = p0 + it * N;
-    cp_async_wait_group<NS - 2>();  // tile it landed (this thread's bytes)
-    uint32_t cur[NJ][W], cr[NJ];
-    read_tile(it % NS, cur, cr);
-    // into the stage of tile it - 1, which this thread has read (no other thread reads it)
-    if (it + NS - 1 < ntiles) load_tile(s + (NS - 1) * N, (it + NS - 1) % NS);
-    cp_async_commit();
-    tile(s, cur, cr);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      rb1[j] = rb0[j];
+#pragma unroll
+      for (int i = 0; i < W; ++i) buf1[j][i] = buf0[j][i];
+    }
+    if (it + 1 < ntiles) load_tile(s + N, buf0, rb0);
+    tile(s, buf1, rb1);
   }
-  cp_async_wait_all();  // (nothing in flight at exit)
 
   // ---- row sums (16 lanes a row), then the output or this partition's partial ----
 #pragma unroll

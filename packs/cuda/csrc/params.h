@@ -122,8 +122,7 @@ struct MLAParams {
   // a CTA's fixed cost in 64-token blocks (the cost model of mla_schedule.cu)
   int sched_ctas, sched_cap, sched_slots, sched_overhead;
   // 0: mla.cuh; 1: the row tile's own kernel: mla_sm90.cuh for 64-row tiles (where it can run: an
-  // sm_90 GPU, sm_90a code), mla_narrow.cuh for 16-row tiles; 2: as 1, mla_narrow.cuh in its layout
-  // for ~99 KiB of shared memory whatever the GPU has (the tests')
+  // sm_90 GPU, sm_90a code), mla_narrow.cuh for 16-row tiles
   int kernel;
 };
 
