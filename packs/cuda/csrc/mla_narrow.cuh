@@ -39,6 +39,15 @@ template <bool kFp8> struct Narrow {
   static constexpr int SStr = N + 8;        // partial-S row stride (floats): a fragment store is 2 wavefronts
   static constexpr int PStr = N + 8;        // P row stride (16-bit): ldmatrix rows 16 banks apart
   static constexpr int kWords = kFp8 ? 4 : 8;  // latent words a thread loads a token
+  // Shared memory (dynamic: 75 KiB for FP8 tiles), two of each per-tile buffer (a tile's softmax and
+  // the previous tile's P V run between the same two barriers)
+  struct Smem {
+    float part[2][kWarps][16][SStr];  // each warp's partial S
+    uint16_t p[2][16][PStr];          // P
+    float alpha[2][16];               // the tile's rescale factor a row
+    float red[64];                    // amax, row sums, the merge's scratch
+  };
+  static constexpr size_t kSmem = sizeof(Smem);
 };
 
 // D = A(16x8, row) * B(8x8, col) + D, fp32 accumulators (the rope's k8 slice of a warp).
@@ -61,10 +70,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
   static_assert(kFp8 || (K == Kind::BF16) == kQBf16, "a 16-bit latent has the query's dtype");
   using T = Narrow<kFp8>;
   constexpr int N = T::N, NJ = T::NJ, TL = T::TL, W = T::kWords;
-  __shared__ __align__(16) float s_part[kWarps][16][T::SStr];  // each warp's partial S
-  __shared__ __align__(16) uint16_t s_p[16][T::PStr];          // P
-  __shared__ float s_alpha[16];                                // this tile's rescale factor a row
-  __shared__ float s_red[64];                                  // amax, row sums, the merge's scratch
+  extern __shared__ __align__(16) uint8_t smem[];
+  typename T::Smem& sm = *reinterpret_cast<typename T::Smem*>(smem);
+  auto& s_part = sm.part;
+  auto& s_p = sm.p;
+  auto& s_alpha = sm.alpha;
+  float* s_red = sm.red;
 
   Item it;
   if (!mla_item<16>(p, it)) return;
@@ -148,9 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
       }
     }
   };
-  // buf0 / rb0: where a tile's loads land; buf1 / rb1: the tile being computed, copied out of buf0 so
-  // that the next tile's loads go out before it (two named buffers in turn spill: 255 registers)
-  uint32_t buf0[NJ][W], rb0[NJ], buf1[NJ][W], rb1[NJ];
+  // buf0 / rb0: where a tile's loads land (the tiles computed are copied out of it, below)
+  uint32_t buf0[NJ][W], rb0[NJ];
   const int ntiles = p1 > p0 ? (p1 - p0 + N - 1) / N : 0;
   if (ntiles > 0) load_tile(p0, buf0, rb0);  // in flight while Q is read
 
@@ -208,12 +218,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
 #pragma unroll
     for (int h = 0; h < 2; ++h) o[kk][h][0] = o[kk][h][1] = o[kk][h][2] = o[kk][h][3] = 0.f;
   float m2 = -INFINITY, l2 = 0.f;  // row hr: running max (log2 units) and this lane's share of the sum
-  const uint32_t pa = smem_addr(&s_p[lane & 15][(lane >> 4) * 8]);
 
-  // One tile: S, the softmax and O += P V over the latent in cur / cr (tokens s..s+N).
-  auto tile = [&](int s, const uint32_t (&cur)[NJ][W], const uint32_t (&cr)[NJ]) {
-    // ---- this warp's partial S (16 rows x N tokens): rope k8 slice, scaled, then 4 latent k steps ----
-    uint32_t v[NJ][4][2];  // V's B fragments (transposed K fragments): [token n8][k step][half]
+  // A tile in three steps, pipelined a tile apart so that a CTA meets at one barrier a tile:
+  //   partial_s(k) -> barrier -> softmax(k) beside pv(k - 1) -> partial_s(k + 1) -> barrier -> ...
+  // partial_s writes this warp's partial S into s_part[k & 1]; softmax reads the 8 partials of its rows
+  // and writes P and the rows' rescale factor into s_p[k & 1] / s_alpha[k & 1]; pv (after the next
+  // barrier) rescales O and adds P V, V's fragments widened and transposed again from the tile's raw
+  // bytes (kept a tile longer: cheaper in registers than the transposed fragments).
+  auto partial_s = [&](const uint32_t (&cur)[NJ][W], const uint32_t (&cr)[NJ], int b) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -230,86 +242,133 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
           b0 = cur[j][2 * kk], b1 = cur[j][2 * kk + 1];
         }
         mma16816<kNopeBf16>(acc, qa[kk], b0, b1);
-        v[j][kk][0] = transpose8x8(b0);
-        v[j][kk][1] = transpose8x8(b1);
       }
-      *reinterpret_cast<float2*>(&s_part[warp][g][8 * j + 2 * t]) = make_float2(acc[0], acc[1]);
-      *reinterpret_cast<float2*>(&s_part[warp][g + 8][8 * j + 2 * t]) = make_float2(acc[2], acc[3]);
+      *reinterpret_cast<float2*>(&s_part[b][warp][g][8 * j + 2 * t]) = make_float2(acc[0], acc[1]);
+      *reinterpret_cast<float2*>(&s_part[b][warp][g + 8][8 * j + 2 * t]) = make_float2(acc[2], acc[3]);
     }
-    __syncthreads();
-
-    // ---- rows hr: S = the sum of the partials, online softmax, P and the rows' rescale factor ----
-    {
-      const int c0 = TL * (lane & 15);
-      float x[TL];
+  };
+  // rows hr: S = the sum of the partials, online softmax, P and the rows' rescale factor
+  auto softmax = [&](int s, int b) {
+    const int c0 = TL * (lane & 15);
+    float x[TL];
 #pragma unroll
-      for (int e = 0; e < TL; ++e) x[e] = 0.f;
+    for (int e = 0; e < TL; ++e) x[e] = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        if constexpr (TL == 4) {
-          const float4 y = *reinterpret_cast<const float4*>(&s_part[w][hr][c0]);
-          x[0] += y.x, x[1] += y.y, x[2] += y.z, x[3] += y.w;
-        } else {
-          const float2 y = *reinterpret_cast<const float2*>(&s_part[w][hr][c0]);
-          x[0] += y.x, x[1] += y.y;
-        }
+    for (int w = 0; w < kWarps; ++w) {
+      if constexpr (TL == 4) {
+        const float4 y = *reinterpret_cast<const float4*>(&s_part[b][w][hr][c0]);
+        x[0] += y.x, x[1] += y.y, x[2] += y.z, x[3] += y.w;
+      } else {
+        const float2 y = *reinterpret_cast<const float2*>(&s_part[b][w][hr][c0]);
+        x[0] += y.x, x[1] += y.y;
       }
-      const int end = min(lim, p1);
-      float mx = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < TL; ++e) {
-        x[e] = s + c0 + e < end ? x[e] * c2 : -INFINITY;
-        mx = fmaxf(mx, x[e]);
-      }
-#pragma unroll
-      for (int o2 = 1; o2 < 16; o2 <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-      // lazy: the reference max moves only past 2^8, so P <= 2^8 (exact in fp16/bf16 and the sums)
-      const float mn = mx > m2 + 8.f ? mx : m2;
-      const float alpha = mn == m2 ? 1.f : fast_exp2(m2 - mn);  // m2 = -inf: alpha 0, l2 and O are 0
-      const float msafe = mn == -INFINITY ? 0.f : mn;
-      m2 = mn;
-      float pr[TL], rs = 0.f;
-#pragma unroll
-      for (int e = 0; e < TL; ++e) pr[e] = fast_exp2(x[e] - msafe), rs += pr[e];
-      l2 = l2 * alpha + rs;
-      uint32_t pw[TL / 2];
-#pragma unroll
-      for (int e = 0; e < TL / 2; ++e)
-        pw[e] = kNopeBf16 ? pack_bf16x2(pr[2 * e], pr[2 * e + 1]) : pack_f16x2(pr[2 * e], pr[2 * e + 1]);
-      if constexpr (TL == 4) *reinterpret_cast<uint2*>(&s_p[hr][c0]) = make_uint2(pw[0], pw[1]);
-      else *reinterpret_cast<uint32_t*>(&s_p[hr][c0]) = pw[0];
-      if ((lane & 15) == 0) s_alpha[hr] = alpha;
     }
-    __syncthreads();
-
-    // ---- O (rows g, g + 8; this warp's columns) += P V ----
-    const float a0 = s_alpha[g], a1 = s_alpha[g + 8];
+    const int end = min(lim, p1);
+    float mx = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < TL; ++e) {
+      x[e] = s + c0 + e < end ? x[e] * c2 : -INFINITY;
+      mx = fmaxf(mx, x[e]);
+    }
+#pragma unroll
+    for (int o2 = 1; o2 < 16; o2 <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+    // lazy: the reference max moves only past 2^8, so P <= 2^8 (exact in fp16/bf16 and the sums)
+    const float mn = mx > m2 + 8.f ? mx : m2;
+    const float alpha = mn == m2 ? 1.f : fast_exp2(m2 - mn);  // m2 = -inf: alpha 0, l2 and O are 0
+    const float msafe = mn == -INFINITY ? 0.f : mn;
+    m2 = mn;
+    float pr[TL], rs = 0.f;
+#pragma unroll
+    for (int e = 0; e < TL; ++e) pr[e] = fast_exp2(x[e] - msafe), rs += pr[e];
+    l2 = l2 * alpha + rs;
+    uint32_t pw[TL / 2];
+#pragma unroll
+    for (int e = 0; e < TL / 2; ++e)
+      pw[e] = kNopeBf16 ? pack_bf16x2(pr[2 * e], pr[2 * e + 1]) : pack_f16x2(pr[2 * e], pr[2 * e + 1]);
+    if constexpr (TL == 4) *reinterpret_cast<uint2*>(&s_p[b][hr][c0]) = make_uint2(pw[0], pw[1]);
+    else *reinterpret_cast<uint32_t*>(&s_p[b][hr][c0]) = pw[0];
+    if ((lane & 15) == 0) s_alpha[b][hr] = alpha;
+  };
+  auto rescale = [&](int b) {
+    const float a0 = s_alpha[b][g], a1 = s_alpha[b][g + 8];
     if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
         for (int h = 0; h < 2; ++h) o[kk][h][0] *= a0, o[kk][h][1] *= a0, o[kk][h][2] *= a1, o[kk][h][3] *= a1;
     }
+  };
+  // O (rows g, g + 8; this warp's columns) += P V over the tile whose latent is in prev; P's A fragments
+  // are read first (load_p), apart, so that the reads go out before the softmax beside which pv runs
+  // (ldmatrix is an asm statement: ptxas keeps it after the softmax's shared-memory stores)
+  auto load_p = [&](int b, uint32_t (&pf)[N / 16][4]) {
+    const uint32_t pa = smem_addr(&s_p[b][lane & 15][(lane >> 4) * 8]);
+#pragma unroll
+    for (int J = 0; J < N / 16; ++J) ldsm_x4(pf[J], pa + J * 32);
+  };
+  auto pv = [&](const uint32_t (&prev)[NJ][W], const uint32_t (&pf)[N / 16][4]) {
 #pragma unroll
     for (int J = 0; J < N / 16; ++J) {
-      uint32_t a[4];
-      ldsm_x4(a, pa + J * 32);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
+      for (int kk = 0; kk < 4; ++kk) {
+        uint32_t v[2][2];  // [token n8 of the k16 step][half]
 #pragma unroll
-        for (int h = 0; h < 2; ++h) mma16816<kNopeBf16>(o[kk][h], a, v[2 * J][kk][h], v[2 * J + 1][kk][h]);
+        for (int jj = 0; jj < 2; ++jj) {
+          uint32_t b0, b1;
+          if constexpr (kFp8) {
+            b0 = fp8x2_to_f16x2<K>(prev[2 * J + jj][kk]);
+            b1 = fp8x2_to_f16x2<K, true>(prev[2 * J + jj][kk]);
+          } else {
+            b0 = prev[2 * J + jj][2 * kk], b1 = prev[2 * J + jj][2 * kk + 1];
+          }
+          v[jj][0] = transpose8x8(b0);
+          v[jj][1] = transpose8x8(b1);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma16816<kNopeBf16>(o[kk][h], pf[J], v[0][h], v[1][h]);
+      }
     }
   };
-  for (int it = 0; it < ntiles; ++it) {
-    const int s = p0 + it * N;
+  // Tile k's raw bytes: loaded into buf0 a tile ahead, copied into cur when its turn comes and into
+  // prev after it, for pv(k) in the next step. The first step is peeled off so that softmax(k) and
+  // pv(k - 1) share a basic block (ptxas interleaves the MMAs with the softmax's dependent chain).
+  uint32_t cur[NJ][W], cr[NJ], prev[NJ][W];
+  auto begin_step = [&](int k) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
-      rb1[j] = rb0[j];
+      cr[j] = rb0[j];
 #pragma unroll
-      for (int i = 0; i < W; ++i) buf1[j][i] = buf0[j][i];
+      for (int i = 0; i < W; ++i) cur[j][i] = buf0[j][i];
     }
-    if (it + 1 < ntiles) load_tile(s + N, buf0, rb0);
-    tile(s, buf1, rb1);
+    if (k + 1 < ntiles) load_tile(p0 + (k + 1) * N, buf0, rb0);
+    partial_s(cur, cr, k & 1);
+    __syncthreads();
+  };
+  auto keep = [&]() {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int i = 0; i < W; ++i) prev[j][i] = cur[j][i];
+  };
+  if (ntiles > 0) {
+    begin_step(0);
+    softmax(p0, 0);
+    keep();
+#pragma unroll 1
+    for (int k = 1; k < ntiles; ++k) {
+      begin_step(k);
+      rescale((k - 1) & 1);
+      uint32_t pf[N / 16][4];
+      load_p((k - 1) & 1, pf);
+      softmax(p0 + k * N, k & 1);
+      pv(prev, pf);
+      keep();
+    }
+    __syncthreads();
+    rescale((ntiles - 1) & 1);
+    uint32_t pf[N / 16][4];
+    load_p((ntiles - 1) & 1, pf);
+    pv(prev, pf);
   }
 
   // ---- row sums (16 lanes a row), then the output or this partition's partial ----
