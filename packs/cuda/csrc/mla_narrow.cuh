@@ -17,7 +17,8 @@
 //   shared memory and, after a barrier, reduces two rows of it and runs their online softmax (log2
 //   units; the running max moves only when a logit exceeds it by 2^8, so most tiles skip rescaling O),
 //   writing P (16 bits: fp16 for FP8 and fp16 latents, bf16 for bf16 ones; never FP8) and the rows'
-//   rescale factors; after a second barrier every warp multiplies P by its own V columns.
+//   rescale factors; after the next tile's barrier every warp multiplies P by its own V columns,
+//   beside that tile's softmax (one barrier a tile; the shared buffers are doubled).
 // * The next tile's latent and rope are loaded into registers while this one is computed.
 // The rope part stays in the query's dtype and its logits are scaled into the latent's units in fp32;
 // a bf16 query over an FP8 latent is moved into fp16 by an exact power of two chosen per CTA (as
