@@ -29,7 +29,7 @@ for step in $STEPS; do
           tests/test_cuda_mla.py -k "forced_wgmma and (128-heads or speculative-16x4 or split-long) and (bfloat16 or e4m3)" \
           2>&1 | tail -6 | tee "$OUT/sanitizer_$tool.log"
       done ;;
-    bench) timeout 480 python3 tools/bench --shapes ${BENCH:-mla mla-b16} --kv-dtype ${KV:-bf16,e4m3fn} \
+    bench) timeout ${BENCH_T:-480} python3 tools/bench --shapes ${BENCH:-mla mla-b16} --kv-dtype ${KV:-bf16,e4m3fn} \
              --contenders ${CONTENDERS:-hal hal:cuda-mma hal:cuda-wgmma flashmla flashmla-fp8 flashinfer-mla torch} \
              --budget ${BUDGET:-1} --json "$OUT/bench-mla.json" 2>"$OUT/bench-progress.log" \
              | tee "$OUT/bench-mla.txt" | tail -3
