@@ -5,7 +5,8 @@
 # tools/flashinfer_mla/prep.sh wrote into .whl (fi_mla.tar.xz, the tvm-ffi and sgl-flash-mla wheels)
 # carried along.
 #   STEPS="tests bench" (default), also "sanitizer" (memcheck and racecheck on the sm_90a kernel)
-#   BENCH="mla mla-b16", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below)
+#   BENCH="mla mla-b16", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below), BENCH_T=480
+#   (the bench step's time limit, seconds)
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
