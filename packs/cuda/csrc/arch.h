@@ -30,4 +30,20 @@ inline bool sm90a_kernels_run() {
 #endif
 }
 
+// Opt a kernel into more than 48 KiB of dynamic shared memory, once per device: the attribute belongs to
+// the current device's copy of the kernel, so a process that runs the op on a second GPU must set it
+// there too (a process-wide once would leave that launch failing). `done` is the caller's: one a kernel.
+template <typename Kernel>
+inline int allow_dynamic_smem(Kernel kernel, int bytes, std::atomic<int> (&done)[64]) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+    cudaGetLastError();
+    return (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  }
+  if (done[dev].load(std::memory_order_acquire)) return 0;
+  const int err = (int)cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == 0) done[dev].store(1, std::memory_order_release);
+  return err;
+}
+
 }  // namespace hal_cuda
