@@ -40,7 +40,7 @@ template <bool kFp8> struct Narrow {
   static constexpr int SStr = N + 8;        // partial-S row stride (floats): a fragment store is 2 wavefronts
   static constexpr int PStr = N + 8;        // P row stride (16-bit): ldmatrix rows 16 banks apart
   static constexpr int kWords = kFp8 ? 4 : 8;  // latent words a thread loads a token
-  // Shared memory (dynamic: 75 KiB for FP8 tiles), two of each per-tile buffer (a tile's softmax and
+  // Shared memory (dynamic: 76.9 KiB for FP8 tiles), two of each per-tile buffer (a tile's softmax and
   // the previous tile's P V run between the same two barriers)
   struct Smem {
     float part[2][kWarps][16][SStr];  // each warp's partial S
