@@ -161,3 +161,45 @@ def plot(result: dict, path: str | Path) -> tuple[Path | None, str]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path, f"plot written to {path}"
+
+
+def _cell(r: dict) -> str:
+    """One markdown cell: time in µs, then (TFLOP/s where the op counts FLOP, fraction of copy or of
+    the matmul), then the error against float64 where it is over 5e-3 (FLAGGED rows)."""
+    if r["status"] != "ok":
+        return r["status"]
+    op = r.get("op", "decode")
+    parts = []
+    if op in ("prefill", "mla") and r.get("TFLOPs") is not None:
+        parts.append(f"{r['TFLOPs']:.3g} TF")
+    frac = r.get("fraction_of_matmul") if op == "prefill" else r.get("fraction_of_copy")
+    if frac is not None:
+        parts.append(f"{frac:.2f}")
+    cell = f"{r['time_us']:,.1f}" + (f" ({', '.join(parts)})" if parts else "")
+    err = r.get("err_f64")
+    if err is not None and err > 5e-3:
+        cell += f" [err {err:.1e}]"
+    return cell
+
+
+def markdown(result: dict) -> str:
+    """The run as one markdown table for the docs: a row per (shape, KV dtype), a column per
+    contender, each cell as :func:`_cell` writes it; skips are `-`, failures `FAIL`. A caption line
+    gives the device and the copy bandwidth (and matmul) measured in the same run."""
+    rows = result["rows"]
+    names = list(dict.fromkeys(r["contender"] for r in rows))
+    names = [n for n in names if any(r["contender"] == n and r["status"] != "skip" for r in rows)]
+    by_key: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["shape"], r["kv_dtype"]), {})[r["contender"]] = r
+    dev, copy, mm = result["device"], result["copy_bandwidth"], result.get("matmul")
+    caption = (f"{dev.get('name', dev['type'])}: copy {copy['gbps'] / 1000:.2f} TB/s"
+               + (f", bf16 matmul {mm['tflops']:.0f} TFLOP/s" if mm else "") + " measured in the same run; "
+               "time in µs (TFLOP/s, fraction of copy; of the matmul for prefill); [err] = relative L2 vs float64 "
+               "where over 5e-3" + ("" if result.get("complete", True) else "; the run was cut short (partial)"))
+    lines = [caption, "", "| shape | kv | " + " | ".join(names) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in names) + " |"]
+    for (shape, kv), cells in by_key.items():
+        vals = [_cell(cells[n]) if n in cells and cells[n]["status"] != "skip" else "-" for n in names]
+        lines.append(f"| {shape} | {kv} | " + " | ".join(vals) + " |")
+    return "\n".join(lines) + "\n"

@@ -16,8 +16,10 @@ See docs/bench.md for what each column means.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -48,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
                          f"{contenders_mod.BASELINE} is always kept")
     ap.add_argument("--json", metavar="PATH", help="write every figure to this JSON file")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG bar chart (needs matplotlib)")
+    ap.add_argument("--markdown", metavar="PATH",
+                    help="write the run as one markdown table (a row per shape and KV dtype, a column per contender)")
+    ap.add_argument("--render", metavar="JSON",
+                    help="time nothing: render a run saved with --json (the table; --markdown, --plot as asked)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (torch.set_num_threads); default torch's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-flush", action="store_true", help="do not flush caches between timed calls")
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in contenders_mod.all_contenders():
             out.print(f"[bold]{c.name}[/] ({c.kind}; {', '.join(sorted(c.ops))}): {c.what}")
         return 0
+    if args.render:
+        return _render(args, out, err)
     if args.device == "cuda" and not torch.cuda.is_available():
         err.print("[red]--device cuda: no GPU is visible to torch[/]")
         return 2
@@ -115,8 +123,37 @@ def main(argv: list[str] | None = None) -> int:
         path, msg = report.plot(result, args.plot)
         result["plot"] = {"path": str(path) if path else None, "message": msg}
         out.print(msg)
+    if args.markdown:
+        out.print(f"markdown written to {_write(args.markdown, report.markdown(result))}")
     if args.json:
         out.print(f"JSON written to {report.write_json(result, args.json)}")
+    return 0
+
+
+def _write(path: str, text: str) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def _render(args: argparse.Namespace, out: Console, err: Console) -> int:
+    try:
+        result = json.loads(Path(args.render).read_text())
+        rows = result["rows"]
+        for key in ("device", "copy_bandwidth", "settings", "problems"):
+            result[key]  # noqa: B018 - what render() reads
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        err.print(f"[red]--render {args.render}: not a hal-bench JSON file ({type(exc).__name__}: {exc})[/]")
+        return 2
+    if not rows:
+        err.print(f"[red]--render {args.render}: the run has no rows[/]")
+        return 2
+    report.render(result, out)
+    if args.plot:
+        out.print(report.plot(result, args.plot)[1])
+    if args.markdown:
+        out.print(f"markdown written to {_write(args.markdown, report.markdown(result))}")
     return 0
 
 

@@ -315,15 +315,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
         uint32_t v[2][2];  // [token n8 of the k16 step][half]
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
-          uint32_t b0, b1;
           if constexpr (kFp8) {
-            b0 = fp8x2_to_f16x2<K>(prev[2 * J + jj][kk]);
-            b1 = fp8x2_to_f16x2<K, true>(prev[2 * J + jj][kk]);
+            // the raw bytes transposed as 16-bit pairs: thread (g, t) gets tokens 2t, 2t + 1 of columns
+            // c, c + 1 (c = 16 (g / 2) + 4 kk + 2 (g % 2)); one byte permute pairs each column's two
+            // tokens, and the two widenings are column c's (half 0) and c + 1's (half 1) B fragments
+            const uint32_t m = __byte_perm(transpose8x8(prev[2 * J + jj][kk]), 0u, 0x3120);
+            v[jj][0] = fp8x2_to_f16x2<K>(m);
+            v[jj][1] = fp8x2_to_f16x2<K, true>(m);
           } else {
-            b0 = prev[2 * J + jj][2 * kk], b1 = prev[2 * J + jj][2 * kk + 1];
+            v[jj][0] = transpose8x8(prev[2 * J + jj][2 * kk]);
+            v[jj][1] = transpose8x8(prev[2 * J + jj][2 * kk + 1]);
           }
-          v[jj][0] = transpose8x8(b0);
-          v[jj][1] = transpose8x8(b1);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) mma16816<kNopeBf16>(o[kk][h], pf[J], v[0][h], v[1][h]);
@@ -389,7 +391,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_narrow_kernel(const MLAParams
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) y[4 * kk + 2 * h] = o[kk][h][2 * e] * inv, y[4 * kk + 2 * h + 1] = o[kk][h][2 * e + 1] * inv;
+      for (int h = 0; h < 2; ++h) {
+        // O's n8 blocks: column col0 + 4kk + 2h + q for a 16-bit latent, col0 + 4kk + 2q + h for FP8 (pv)
+        y[kFp8 ? 4 * kk + h : 4 * kk + 2 * h] = o[kk][h][2 * e] * inv;
+        y[kFp8 ? 4 * kk + 2 + h : 4 * kk + 2 * h + 1] = o[kk][h][2 * e + 1] * inv;
+      }
     if (!split) {
       uint32_t w[8];
 #pragma unroll

@@ -1,4 +1,5 @@
-# Run: python3 docs/experiments/cuda/mla_narrow_byte_transpose_sim.py (no GPU; checks mla_narrow_byte_transpose.patch's mapping)
+# Run: python3 tools/mla_narrow_pv_lanes.py (no GPU): checks the lane mapping of pv() in packs/cuda/csrc/mla_narrow.cuh
+# over an FP8 latent (the byte-pair transpose, 2026-12-07; docs/cuda.md) and of its output code.
 # The FP8 P V fragments of mla_narrow.cuh's pv(), simulated symbolically per lane: every element of
 # every B fragment must be (token 16J + k, column c(n)) with c the column the output code assumes.
 def lanes(): return [(l // 4, l % 4) for l in range(32)]
