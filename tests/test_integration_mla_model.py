@@ -107,10 +107,10 @@ def _setup(kind: str, device: str):
 
 
 @torch.no_grad()
-def _hal(model, prompts, tokens, dtype, scales):
+def _hal(model, prompts, tokens, dtype, scales, **runner_kw):
     """hal's logits per sequence, like :func:`_stock`'s: the batch prefilled together (block size 4,
     so sequences span several blocks), then one decode step per fed token for both sequences."""
-    runner = mla.MLARunner(model, cache_dtype=dtype, scales=scales, block_size=4)
+    runner = mla.MLARunner(model, cache_dtype=dtype, scales=scales, block_size=4, **runner_kw)
     cache = runner.new_cache(sum(map(len, prompts)) + len(prompts) * STEPS, len(prompts))
     sids = [cache.add_sequence() for _ in prompts]
     rows = [[x] for x in runner.prefill(cache, sids, prompts)]
@@ -178,6 +178,29 @@ def test_decode_through_hal_mla_matches_stock_within_the_cache_rounding(kind, de
     assert 0 < cost < _ABS[dtype], f"the {dtype} rounding moves stock's logits by {cost:.3g}"
     assert err <= 1.25 * cost + 1e-5, f"hal {err:.3g} vs stock; the {dtype} rounding alone costs {cost:.3g}"
     assert vs_rounded <= 0.1 * cost + 1e-5, f"hal differs from stock over the rounded cache by {vs_rounded:.3g}"
+
+
+# The cuda pack under the model: its kernels take 16-bit queries, so the float32 model's queries go to
+# hal in bf16 (MLARunner(query_dtype=bf16), what an engine's bf16 model hands over) with pack="cuda"
+# forced (a refusal raises: nothing falls back). The same runner with pack="emu" on the same GPU gets
+# the same bf16 queries and writes the same cache bytes: the reference pack's answer to the same calls.
+# Both round the query and the output to bf16, which costs about what a bf16 latent does, so the cuda
+# pack is held to the emu pack's error against stock (not to the rounding of the cache alone), and the
+# two packs must agree far better than either agrees with stock: they compute the same attention, the
+# cuda kernel with P in bf16 (2^-9 relative a probability) and its own summation order.
+# Measured on an H100 (2026-12-07), max |logit difference|, v3 / lite: see docs/model.md.
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3fn"])
+def test_the_cuda_pack_serves_the_model_as_the_emu_pack_does(kind, dtype):
+    model, prompts, tokens, ref, e4m3_scales = _setup(kind, "cuda")
+    scales = e4m3_scales if hal.fp8.is_fp8(dtype) else None
+    got = {pack: _hal(model, prompts, tokens, dtype, scales, query_dtype=torch.bfloat16, pack=pack)[0]
+           for pack in ("cuda", "emu")}
+    cuda, emu, apart = _err(got["cuda"], ref), _err(got["emu"], ref), _err(got["cuda"], got["emu"])
+    assert 0 < emu < _ABS[dtype], f"emu with bf16 queries is {emu:.3g} from stock"
+    assert cuda <= 1.25 * emu + 1e-5, f"cuda {cuda:.3g} vs stock; emu on the same calls {emu:.3g}"
+    assert apart <= 0.5 * emu, f"cuda and emu differ by {apart:.3g}; each from stock: {cuda:.3g}, {emu:.3g}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
