@@ -6,7 +6,8 @@
 # carried along.
 #   STEPS="tests bench" (default), also "sanitizer" (memcheck and racecheck on the sm_90a kernel)
 #   BENCH="mla mla-b16", KV="bf16,e4m3fn", BUDGET=1 (seconds a row), CONTENDERS (default below), BENCH_T=480
-#   (the bench step's time limit, seconds)
+#   (the bench step's time limit, seconds). The bench writes bench-mla.json and bench-mla.md (the docs' table;
+#   `tools/bench --render bench-mla.json --markdown F` remakes it from a run cut short)
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -32,7 +33,7 @@ for step in $STEPS; do
       done ;;
     bench) timeout ${BENCH_T:-480} python3 tools/bench --shapes ${BENCH:-mla mla-b16} --kv-dtype ${KV:-bf16,e4m3fn} \
              --contenders ${CONTENDERS:-hal hal:cuda-mma hal:cuda-wgmma flashmla flashmla-fp8 flashinfer-mla torch} \
-             --budget ${BUDGET:-1} --json "$OUT/bench-mla.json" 2>"$OUT/bench-progress.log" \
+             --budget ${BUDGET:-1} --json "$OUT/bench-mla.json" --markdown "$OUT/bench-mla.md" 2>"$OUT/bench-progress.log" \
              | tee "$OUT/bench-mla.txt" | tail -3
            tail -3 "$OUT/bench-progress.log" ;;
   esac
