@@ -1,8 +1,9 @@
 """hal-bench: time every available hal pack and the baselines side by side, each checked first.
 
     hal-bench [--shapes issue|sweep|cpu|prefill|prefill-extra|mla|mla-b16|...|SPEC ...] [--kv-dtype bf16,e4m3fn]
-              [--device cpu|cuda] [--reps N] [--json PATH] [--plot PATH] [--contenders NAME|GLOB ...]
+              [--device cpu|cuda] [--reps N] [--json PATH] [--plot PATH] [--markdown PATH] [--contenders NAME|GLOB ...]
     hal-bench --dry-run          # tiny decode and prefill shapes, 2 reps: every code path in seconds
+    hal-bench --render run.json --markdown run.md   # a saved run as the docs' markdown table, nothing timed
 
 A decode SPEC is BATCHxCONTEXTxQHEADSxKVHEADSxHEADSIZE[:bBLOCK][:ragged], e.g. 64x4096x32x8x128:b16;
 a prefill SPEC is GROUP[+GROUP...]/QHEADSxKVHEADSxHEADSIZE[:bBLOCK] with GROUP = NxQ[@C] (N sequences
