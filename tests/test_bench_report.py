@@ -50,6 +50,10 @@ def test_render_a_saved_run_and_refuse_what_is_not_one(tmp_path):
     assert bench.main(["--render", str(tmp_path / "missing.json")]) == 2
     (tmp_path / "bad.json").write_text('{"rows": [1]}')
     assert bench.main(["--render", str(tmp_path / "bad.json")]) == 2
+    (tmp_path / "rows.json").write_text(json.dumps(_result() | {"rows": [{"shape": "x"}]}))
+    assert bench.main(["--render", str(tmp_path / "rows.json")]) == 2      # a row without its fields
+    (tmp_path / "list.json").write_text("[]")
+    assert bench.main(["--render", str(tmp_path / "list.json")]) == 2
     empty = _result() | {"rows": []}
     (tmp_path / "empty.json").write_text(json.dumps(empty))
     assert bench.main(["--render", str(tmp_path / "empty.json")]) == 2

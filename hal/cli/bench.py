@@ -141,20 +141,18 @@ def _write(path: str, text: str) -> Path:
 def _render(args: argparse.Namespace, out: Console, err: Console) -> int:
     try:
         result = json.loads(Path(args.render).read_text())
-        rows = result["rows"]
-        for key in ("device", "copy_bandwidth", "settings", "problems"):
-            result[key]  # noqa: B018 - what render() reads
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not result["rows"]:
+            err.print(f"[red]--render {args.render}: the run has no rows[/]")
+            return 2
+        md = report.markdown(result)   # reads every row, so a malformed file fails here, before any output
+        report.render(result, out)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         err.print(f"[red]--render {args.render}: not a hal-bench JSON file ({type(exc).__name__}: {exc})[/]")
         return 2
-    if not rows:
-        err.print(f"[red]--render {args.render}: the run has no rows[/]")
-        return 2
-    report.render(result, out)
     if args.plot:
         out.print(report.plot(result, args.plot)[1])
     if args.markdown:
-        out.print(f"markdown written to {_write(args.markdown, report.markdown(result))}")
+        out.print(f"markdown written to {_write(args.markdown, md)}")
     return 0
 
 
