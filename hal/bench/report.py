@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from hal.bench.mla import TOLERANCE as MLA_TOLERANCE  # the 16-bit bound; a row over it shows its error
+
 STATUS_STYLE = {"ok": "green", "FAIL": "bold red", "skip": "dim"}
 
 
@@ -103,6 +105,11 @@ def render(result: dict, console: Console) -> None:
                           f"{prob.get('error') or prob['reference']}[/]")
 
 
+def _fraction(r: dict):
+    """A row's fraction of its ceiling: of the matmul's TFLOP/s for prefill, else of the copy bandwidth."""
+    return r.get("fraction_of_matmul") if r.get("op") == "prefill" else r.get("fraction_of_copy")
+
+
 def write_json(result: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,15 +126,12 @@ def plot(result: dict, path: str | Path) -> tuple[Path | None, str]:
         import matplotlib.pyplot as plt
     except Exception as exc:  # noqa: BLE001 - ImportError or a broken backend
         return None, f"plot skipped: matplotlib is not importable ({type(exc).__name__}: {exc})"
-    def fraction(r):  # decode: of the copy bandwidth; prefill: of the matmul's TFLOP/s
-        return r.get("fraction_of_matmul") if r.get("op") == "prefill" else r.get("fraction_of_copy")
-
-    ok = [r for r in result["rows"] if r["status"] == "ok" and fraction(r) is not None]
+    ok = [r for r in result["rows"] if r["status"] == "ok" and _fraction(r) is not None]
     if not ok:
         return None, "plot skipped: no timed rows"
     groups = list(dict.fromkeys(f"{r['shape']}\n{r['kv_dtype']}" for r in ok))
     names = list(dict.fromkeys(r["contender"] for r in ok))
-    frac = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): fraction(r) for r in ok}
+    frac = {(f"{r['shape']}\n{r['kv_dtype']}", r["contender"]): _fraction(r) for r in ok}
     ops = {r.get("op", "decode") for r in ok}
     frac_label = " / ".join(x for x, o in (("fraction of copy bandwidth", "decode"), ("fraction of matmul TFLOP/s",
                                                                                       "prefill")) if o in ops)
@@ -172,12 +176,12 @@ def _cell(r: dict) -> str:
     parts = []
     if op in ("prefill", "mla") and r.get("TFLOPs") is not None:
         parts.append(f"{r['TFLOPs']:.3g} TF")
-    frac = r.get("fraction_of_matmul") if op == "prefill" else r.get("fraction_of_copy")
+    frac = _fraction(r)
     if frac is not None:
         parts.append(f"{frac:.2f}")
     cell = f"{r['time_us']:,.1f}" + (f" ({', '.join(parts)})" if parts else "")
     err = r.get("err_f64")
-    if err is not None and err > 5e-3:
+    if err is not None and err > MLA_TOLERANCE:
         cell += f" [err {err:.1e}]"
     return cell
 
@@ -196,7 +200,7 @@ def markdown(result: dict) -> str:
     caption = (f"{dev.get('name', dev['type'])}: copy {copy['gbps'] / 1000:.2f} TB/s"
                + (f", bf16 matmul {mm['tflops']:.0f} TFLOP/s" if mm else "") + " measured in the same run; "
                "time in µs (TFLOP/s, fraction of copy; of the matmul for prefill); [err] = relative L2 vs float64 "
-               "where over 5e-3" + ("" if result.get("complete", True) else "; the run was cut short (partial)"))
+               f"where over {MLA_TOLERANCE:.0e}" + ("" if result.get("complete", True) else "; the run was cut short (partial)"))
     lines = [caption, "", "| shape | kv | " + " | ".join(names) + " |",
              "| --- | --- | " + " | ".join("---:" for _ in names) + " |"]
     for (shape, kv), cells in by_key.items():
