@@ -15,24 +15,32 @@ from __future__ import annotations
 
 import logging
 
-from hal import env, fp8
-from hal.api import cache_kv, cache_mla, explain, mla_decode, paged_attention
-from hal.diagnostics import EnvironmentWarning, FallbackWarning, HalWarning, MissingScaleWarning, PackLoadWarning
-from hal.dispatch import Decision, NotSupportedError
-from hal.observer import KVScaleObserver
-from hal.pack import Availability, CallKey, OpSupport, Pack
-from hal.planning import Plan, plan
-from hal.scales import KVScaleError, KVScales, load_kv_scales
-from hal.targets import Target, target
-from hal.validate import ArgumentError
+from hal import env
+
+# Unknown HAL_* names warn, a value hal cannot parse raises EnvValueError: at import, not at a first use
+# that may never come. First, so a refusal leaves only a few light modules imported (hal_launch, the
+# console scripts' entry, turns it into one line and hal-probe retries without the variable).
+env.check()
+
+from hal import fp8  # noqa: E402
+from hal.api import cache_kv, cache_mla, explain, mla_decode, paged_attention  # noqa: E402
+from hal.diagnostics import (  # noqa: E402
+    EnvironmentWarning, FallbackWarning, HalWarning, MissingScaleWarning, PackLoadWarning)
+from hal.dispatch import Decision, NotSupportedError  # noqa: E402
+from hal.env import EnvValueError  # noqa: E402
+from hal.observer import KVScaleObserver  # noqa: E402
+from hal.pack import Availability, CallKey, OpSupport, Pack  # noqa: E402
+from hal.planning import Plan, plan  # noqa: E402
+from hal.scales import KVScaleError, KVScales, load_kv_scales  # noqa: E402
+from hal.targets import Target, target  # noqa: E402
+from hal.validate import ArgumentError  # noqa: E402
 
 logging.getLogger("hal").addHandler(logging.NullHandler())
-env.check()  # unknown HAL_* names warn, values hal cannot parse raise: at import, not at first use
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgumentError", "Availability", "CallKey", "Decision", "EnvironmentWarning", "FallbackWarning",
+    "ArgumentError", "Availability", "CallKey", "Decision", "EnvValueError", "EnvironmentWarning", "FallbackWarning",
     "HalWarning", "KVScaleError", "KVScaleObserver", "KVScales", "MissingScaleWarning", "NotSupportedError",
     "OpSupport", "Pack", "PackLoadWarning", "Plan", "Target", "cache_kv", "cache_mla", "env", "explain", "fp8",
     "load_kv_scales", "mla_decode", "packs", "paged_attention", "plan", "target",

@@ -1,5 +1,6 @@
 """The ``HAL_*`` environment variables, parsed in one place and checked once when hal is imported:
-an unknown ``HAL_*`` name warns (usually a typo), a value hal does not understand raises."""
+an unknown ``HAL_*`` name warns (usually a typo), a value hal does not understand raises
+:class:`EnvValueError` (the one exception type for that, at import and at every later read)."""
 
 from __future__ import annotations
 
@@ -20,20 +21,29 @@ VARIABLES = {
 }
 CUDA_PREFILL_KERNELS = ("auto", "mma", "wgmma")
 BOOL_VARIABLES = ("HAL_STRICT", "HAL_DEBUG")
+TARGET_FORMS = "cpu, sm_XX (e.g. sm_90) or gfxNNN[:feature+] (e.g. gfx942)"
 _BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,
          "off": False, "on": True}
 
 
 class EnvValueError(ValueError):
-    """A HAL_* variable has a value hal does not understand."""
+    """A ``HAL_*`` variable has a value hal does not understand. ``variable``, ``value`` and
+    ``expected`` say which, what it was and what is accepted; the message says all three in one line."""
+
+    def __init__(self, variable: str, value: str, expected: str, detail: str = ""):
+        self.variable, self.value, self.expected = variable, value, expected
+        why = f" ({detail})" if detail else ""
+        super().__init__(f"{variable}={value!r} is not understood{why}: expected {expected}")
+
+    def __reduce__(self):  # picklable across processes (pytest-xdist, multiprocessing)
+        return type(self), (self.variable, self.value, self.expected)
 
 
 @functools.cache
 def _parse_bool(name: str, raw: str) -> bool:
     key = raw.strip().lower()
     if key not in _BOOL:
-        raise EnvValueError(f"{name}={raw!r} is not understood: expected 0 or 1 (also accepted: "
-                                f"true/false, yes/no, on/off)")
+        raise EnvValueError(name, raw, "0 or 1 (also accepted: true/false, yes/no, on/off)")
     return _BOOL[key]
 
 
@@ -51,14 +61,20 @@ def debug() -> bool:
 
 def forced_pack() -> str | None:
     raw = os.environ.get("HAL_PACK", "").strip()
-    return raw or None  # the name itself is checked against the registry by dispatch
+    if not raw:
+        return None
+    from hal import registry
+
+    known = registry.names()
+    if raw not in known:
+        raise EnvValueError("HAL_PACK", raw, f"the name of a pack: {', '.join(known)}")
+    return raw
 
 
 def cuda_prefill_kernel() -> str:
     raw = os.environ.get("HAL_CUDA_PREFILL", "").strip().lower() or "auto"
     if raw not in CUDA_PREFILL_KERNELS:
-        raise EnvValueError(f"HAL_CUDA_PREFILL={raw!r} is not understood: expected one of "
-                            f"{', '.join(CUDA_PREFILL_KERNELS)}")
+        raise EnvValueError("HAL_CUDA_PREFILL", raw, f"one of {', '.join(CUDA_PREFILL_KERNELS)}")
     return raw
 
 
@@ -81,17 +97,37 @@ def check_unknown() -> None:
         _warn_unknown(unknown)
 
 
-def check() -> None:
-    """Check every HAL_* variable now: unknown names warn, values hal cannot parse raise (naming
-    the variable). Run once at import; the accessors above re-read the environment on each call."""
-    check_unknown()
-    for name in BOOL_VARIABLES:
-        flag(name)
-    cuda_prefill_kernel()
+def _check_target() -> None:
     override = target_override()
     if override:
         from hal.targets import parse
         parse(override)
+
+
+# HAL_CUDA_ARCHS is read by the build (packs/cuda/archs.py), not here.
+_CHECKS = {"HAL_STRICT": lambda: flag("HAL_STRICT"), "HAL_DEBUG": lambda: flag("HAL_DEBUG"),
+           "HAL_CUDA_PREFILL": cuda_prefill_kernel, "HAL_TARGET": _check_target, "HAL_PACK": forced_pack}
+
+
+def problems() -> list[EnvValueError]:
+    """Every HAL_* value hal does not understand, one error each (hal-probe reports them all)."""
+    found = []
+    for check_one in _CHECKS.values():
+        try:
+            check_one()
+        except EnvValueError as exc:
+            found.append(exc)
+    return found
+
+
+def check() -> None:
+    """Check every HAL_* variable now: unknown names warn, a value hal cannot parse raises
+    :class:`EnvValueError` (the first found). Run once at import; the accessors above re-read the
+    environment on each call."""
+    check_unknown()
+    found = problems()
+    if found:
+        raise found[0]
 
 
 def snapshot() -> dict[str, str]:

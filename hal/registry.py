@@ -63,6 +63,15 @@ def packs() -> tuple[Pack, ...]:
     return tuple(found)
 
 
+@functools.cache
+def names() -> tuple[str, ...]:
+    """The names of every pack :func:`packs` would list, found without importing any pack (HAL_PACK's
+    check at import)."""
+    found = [n for n in IN_TREE if n != FLOOR and importlib.util.find_spec(f"hal.kernelpacks.{n}") is not None]
+    found += [ep.name for ep in entry_points(group="hal.packs")]
+    return (*found, FLOOR)
+
+
 def by_name(name: str) -> Pack:
     for p in packs():
         if p.NAME == name:

@@ -114,8 +114,9 @@ def parse(text: str, source: str = "HAL_TARGET") -> Target:
             return rocm_target(t, source=source)
         raise ValueError("unknown vendor prefix")
     except ValueError as exc:
-        raise ValueError(f"HAL_TARGET={text!r} is not understood ({exc}): expected cpu, sm_XX (e.g. sm_90) "
-                         f"or gfxNNN[:feature+] (e.g. gfx942)") from None
+        if source == "HAL_TARGET":
+            raise env.EnvValueError("HAL_TARGET", text, env.TARGET_FORMS, str(exc)) from None
+        raise ValueError(f"{source}: target {text!r} is not understood ({exc}): expected {env.TARGET_FORMS}") from None
 
 
 def _detect_nvidia() -> Target | None:

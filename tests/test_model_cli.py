@@ -97,7 +97,17 @@ def test_eval_missing_calibration_corpus_fails_before_loading_the_model(tmp_path
     (["--pack", "nope"], ["no pack named 'nope'"]),
     (["--device", "tpu9"], ["--device", "'tpu9'"]),
 ])
-def test_eval_rejects_bad_arguments_before_loading_the_model(argv, names, no_model_load, capsys):
+@pytest.mark.parametrize("corpus_installed", [False, True], ids=["no-corpus", "corpus"])
+def test_eval_rejects_bad_arguments_before_loading_the_model(argv, names, corpus_installed, no_model_load, tmp_path,
+                                                             monkeypatch, capsys):
+    """The same error whether or not this machine has the janeaustenr corpus (the README's test
+    command does not install it): the corpus is looked for in an empty folder, or in a stand-in."""
+    from hal.integrations import corpus
+
+    if corpus_installed:
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "Rdata.rdx").write_bytes(b"stand-in")
+    monkeypatch.setattr(corpus, "candidates", lambda: [tmp_path])
     err = _eval_error(argv, capsys)
     assert all(n in err for n in names), err
     assert no_model_load == []

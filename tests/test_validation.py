@@ -125,8 +125,11 @@ def test_unknown_env_values_raise(case, monkeypatch):
     assert hal.env.cuda_prefill_kernel() == "wgmma"
     monkeypatch.delenv("HAL_CUDA_PREFILL")
     monkeypatch.setenv("HAL_PACK", "fastest")
-    with pytest.raises(ValueError, match=r"no pack named 'fastest': known packs are .*emu"):
+    with pytest.raises(hal.EnvValueError, match=r"HAL_PACK='fastest' is not understood: expected the name of a "
+                                                r"pack: .*emu"):
         call(case)
+    with pytest.raises(ValueError, match=r"no pack named 'fastest': known packs are .*emu"):
+        call(case, pack="fastest")
 
 
 def test_unknown_hal_variable_names_warn(monkeypatch):

@@ -170,13 +170,14 @@ def _check_pack(name: str | None) -> None:
 
 
 def _check_inputs(args, caches: list[torch.dtype]) -> None:
-    """Everything that can be wrong before the model loads (a minute on a small CPU): argument values,
-    the model's packages, the files and the corpus, the pack. Raises ValueError, ModelUnavailable or
-    CorpusError, each naming what it checked."""
+    """Everything that can be wrong before the model loads (a minute on a small CPU): argument values
+    and the pack first (what the user typed), then what the machine must have: the model's packages,
+    the files and the corpus. So a bad argument is named whatever is installed. Raises ValueError,
+    ModelUnavailable or CorpusError, each naming what it checked."""
     _check_values(args)
+    _check_pack(args.pack)
     _check_model(args)
     _check_sources(args, caches)
-    _check_pack(args.pack)
 
 
 def _check_model(args) -> None:

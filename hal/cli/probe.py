@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import sys
@@ -171,10 +172,24 @@ def _smoke_run():
             "seconds": elapsed, "ops": others, "status": "PASS" if ok else "FAIL"}
 
 
-def collect(smoke: bool = True) -> dict:
+def _ignore_refused_env(already: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every HAL_* value hal refuses: ``already`` (those hal_launch dropped before hal could be
+    imported), then those refused now, each dropped from this process's environment so the rest of
+    the report is what hal does without it. Messages, one per variable."""
+    from hal import env
+
+    found = list(already)
+    for exc in env.problems():
+        found.append(str(exc))
+        os.environ.pop(exc.variable, None)
+    return found
+
+
+def collect(smoke: bool = True, ignored_env: list[str] | tuple[str, ...] = ()) -> dict:
     import hal
-    report = {"hal_version": hal.__version__, "target": _section(_target), "environment": _section(_environment),
-              "packs": _section(_packs), "dispatch": _section(_dispatch)}
+    ignored = _ignore_refused_env(ignored_env)
+    report = {"hal_version": hal.__version__, "ignored_env": ignored, "target": _section(_target),
+              "environment": _section(_environment), "packs": _section(_packs), "dispatch": _section(_dispatch)}
     if smoke:
         report["smoke_test"] = _section(_smoke)
     return report
@@ -237,7 +252,12 @@ def _short_head(report: dict) -> list:
         hal_vars = " ".join(f"{k}={v}" for k, v in e["hal_variables"].items()) or "none"
         out.append(Text(f"torch {e['torch']} ({build} build), GPU visible: {'yes' if e['gpu_visible'] else 'no'}; "
                         f"HAL_* set: {hal_vars}"))
-    return out
+    return [*out, *(Text.assemble(("ignored: ", "red"), msg) for msg in _ignored_lines(report))]
+
+
+def _ignored_lines(report: dict) -> list[str]:
+    """One line per HAL_* value hal refused (the report below is without it)."""
+    return [f"{msg}; the report below ignores it" for msg in report.get("ignored_env", ())]
 
 
 def _pack_state(p: dict) -> tuple[str, str, str]:
@@ -332,6 +352,7 @@ def _verbose_head(report: dict) -> list[tuple[int, str, str]]:
     t, e = report["target"], report["environment"]
     out = [(0, f"target detection failed: {t['error']}", "red") if "error" in t else
            (0, f"hal {report['hal_version']}  target: {t['describe']}", "bold")]
+    out += [(0, f"ignored: {msg}", "red") for msg in _ignored_lines(report)]
     if "error" in e:
         return out + [(0, f"environment: {e['error']}", "red")]
     out.append((0, f"python {e['python']}, torch {e['torch']} (cuda {e['torch_cuda']}, hip {e['torch_hip']}), "
@@ -416,7 +437,8 @@ def _verbose_smoke(sm: dict | None) -> list[tuple[int, str, str]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, ignored_env: list[str] | tuple[str, ...] = ()) -> int:
+    """``ignored_env``: the HAL_* values hal_launch had to drop before hal would import (their messages)."""
     parser = argparse.ArgumentParser(
         prog="hal-probe",
         description="Report the target, every kernel pack with its availability, which pack serves a "
@@ -426,14 +448,15 @@ def main(argv: list[str] | None = None) -> int:
                     "view is one line each and fits 80 columns; --verbose adds every reason, the build "
                     "details and each pack's declaration for this target; --json prints all of it. "
                     "Always exits 0: problems are reported, not raised. Honours HAL_TARGET, HAL_PACK, "
-                    "HAL_STRICT and HAL_DEBUG.")
+                    "HAL_STRICT and HAL_DEBUG; a value hal does not understand is reported first and the "
+                    "rest of the report is without it.")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="every reason, build details and the declarations, not one line each")
     parser.add_argument("--json", action="store_true", help="print the whole report as JSON")
     parser.add_argument("--no-smoke", action="store_true", help="skip the smoke test")
     args = parser.parse_args(argv)
     try:
-        report = collect(smoke=not args.no_smoke)
+        report = collect(smoke=not args.no_smoke, ignored_env=ignored_env)
     except Exception as exc:  # e.g. torch itself fails to import
         report = {"error": f"{type(exc).__name__}: {exc}"}
     if args.json:
