@@ -16,10 +16,10 @@ VARIABLES = {
     "HAL_STRICT": "1: a fallback from the target's native pack to emu, or an FP8 cache without scales, is an error",
     "HAL_DEBUG": "1: checks that need a device sync (block-table entries, slots, scale values on GPU)",
     "HAL_CUDA_ARCHS": "build time (pip install): the cuda pack's archs: all, none, auto or a CMake list (docs/cuda.md)",
-    "HAL_CUDA_PREFILL": "the cuda pack's multi-token kernel: auto (the tuning table), mma (mma.sync, every arch) or "
-                        "wgmma (sm_90a, where it runs) (docs/cuda.md)",
+    "HAL_CUDA_PREFILL": "the cuda pack's multi-token kernel: auto (the tuning table), mma (mma.sync, every arch), "
+                        "wgmma (sm_90a, where it runs) or cute (sm_90a on CuTe, 16-bit caches; docs/cuda.md)",
 }
-CUDA_PREFILL_KERNELS = ("auto", "mma", "wgmma")
+CUDA_PREFILL_KERNELS = ("auto", "mma", "wgmma", "cute")
 BOOL_VARIABLES = ("HAL_STRICT", "HAL_DEBUG")
 TARGET_FORMS = "cpu, sm_XX (e.g. sm_90) or gfxNNN[:feature+] (e.g. gfx942)"
 _BOOL = {"": False, "0": False, "1": True, "false": False, "true": True, "no": False, "yes": True,

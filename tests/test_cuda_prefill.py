@@ -203,6 +203,37 @@ def test_forced_wgmma_kernel_reads_nhd_views_bit_for_bit(monkeypatch):
     assert torch.equal(_run(case, key_cache=_nhd(case.key_cache), value_cache=_nhd(case.value_cache)), dense)
 
 
+CUTE_CASES = {  # the CuTe kernel forced: the wgmma cases plus a long causal prefill (many 128-key steps,
+    # the pipeline's buffers reused), a ragged batch and pages of 8 and 64
+    **WGMMA_CASES,
+    "long": (([2100, 1500], [2100, 700]), {}),
+    "ragged": (([333, 1, 1029, 77, 512], [333, 1, 200, 77, 9]), dict(num_heads=32, num_kv_heads=8)),
+    "block-8": (([300, 129], [300, 40]), dict(block_size=8)),
+    "block-64": (([1000, 257], [513, 257]), dict(block_size=64)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case", sorted(CUTE_CASES))
+@pytest.mark.parametrize("head_size", (64, 128))
+@pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16), ids=str)
+def test_forced_cute_kernel(case, head_size, cache, monkeypatch):
+    """launch.PREFILL_KERNEL = "cute": csrc/prefill_cute.cuh on an sm_90 GPU with the module built with
+    CUTLASS (elsewhere prefill_sm90.cuh or mma.sync runs and this checks that)."""
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "PREFILL_KERNEL", "cute")
+    (lens, qls), kw = CUTE_CASES[case]
+    _check(_varlen(lens, qls, head_size=head_size, cache_dtype=cache, seed=head_size + 1, **kw))
+
+
+@gpu
+@pytest.mark.parametrize("kernel", ("cute", "wgmma"))
+def test_forced_sm90_kernels_replay_in_a_cuda_graph(kernel, monkeypatch):
+    from hal.kernelpacks.cuda import launch
+    monkeypatch.setattr(launch, "PREFILL_KERNEL", kernel)
+    test_cuda_graph_replay_matches_eager(cache=torch.bfloat16)
+
+
 @gpu
 def test_features_at_head_256_and_long_windows():
     _check(_varlen([700, 300, 1], [600, 300, 1], head_size=256, per_head_scales=True, sliding_window=200,
@@ -273,8 +304,8 @@ def test_misaligned_query_and_output_rows_are_served():
 
 
 @gpu
-def test_cuda_graph_replay_matches_eager():
-    case = _varlen(*GEOMETRIES["mixed"], per_head_scales=True, seed=14)
+def test_cuda_graph_replay_matches_eager(cache=torch.float8_e4m3fn):
+    case = _varlen(*GEOMETRIES["mixed"], per_head_scales=True, seed=14, cache_dtype=cache)
     mql = int((case.query_start_loc[1:] - case.query_start_loc[:-1]).max())
     out = torch.empty_like(case.query)
 

@@ -24,7 +24,7 @@ BAD = {  # variable: (value, words its message must hold)
     "HAL_TARGET": ("sm90", ["HAL_TARGET='sm90'", "not understood", "sm_XX", "gfxNNN"]),
     "HAL_STRICT": ("maybe", ["HAL_STRICT='maybe'", "expected 0 or 1"]),
     "HAL_DEBUG": ("2", ["HAL_DEBUG='2'", "expected 0 or 1"]),
-    "HAL_CUDA_PREFILL": ("fast", ["HAL_CUDA_PREFILL='fast'", "auto, mma, wgmma"]),
+    "HAL_CUDA_PREFILL": ("fast", ["HAL_CUDA_PREFILL='fast'", "auto, mma, wgmma, cute"]),
     "HAL_PACK": ("nope", ["HAL_PACK='nope'", "the name of a pack", "emu"]),
 }
 # (program, how to start it from the checkout's tools/ shim, or None where the CLI has no shim)

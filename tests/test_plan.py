@@ -652,6 +652,35 @@ def test_cuda_multi_token_kernel_choice(monkeypatch):
                              query_start_loc=sparse.query_start_loc, max_query_len=40)
     assert 43 < launch.WGMMA_MIN_FILL * 4 * 40
     assert asked() == [0] and asked("wgmma") == [1] and asked(None, attr="wgmma") == [1]
+    assert asked("cute") == [2] and asked(None, attr="cute") == [2]
+
+
+def test_cuda_multi_token_cute_kernel_choice(monkeypatch):
+    """The tuning entry's prefill.cute_head_sizes asks for the CuTe kernel (2) over 16-bit caches only, and
+    before wgmma_head_sizes; HAL_CUDA_PREFILL=cute forces it (the launcher falls back by kind and head size)."""
+    launch, seen = _launch_under_test(monkeypatch)
+    real = launch.tuning_for
+    monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
+                        {**real(arch), "prefill": {"wgmma_head_sizes": [128], "cute_head_sizes": [128]}})
+    monkeypatch.delenv("HAL_CUDA_PREFILL", raising=False)
+    monkeypatch.setattr(launch, "PREFILL_KERNEL", "auto")
+
+    def asked(cache_dtype, env=None):
+        if env is not None:
+            monkeypatch.setenv("HAL_CUDA_PREFILL", env)
+        case = make_varlen([40, 9], [40, 9], num_heads=8, num_kv_heads=2, head_size=128, garbage=False,
+                           cache_dtype=cache_dtype, query_dtype=torch.bfloat16)
+        record = hal.ops.prepare("paged_attention", query=case.query, key_cache=case.key_cache,
+                                 value_cache=case.value_cache, k_scale=case.k_scale, v_scale=case.v_scale,
+                                 block_tables=case.block_tables, seq_lens=case.seq_lens,
+                                 query_start_loc=case.query_start_loc, max_query_len=40)
+        seen.clear()
+        launch.paged_attention(record)
+        return [a[-2] for name, a in seen if name == "prefill"]
+
+    assert asked(torch.bfloat16) == [2]
+    assert asked(torch.float8_e4m3fn) == [1]          # FP8 caches: the CuTe kernel does not serve them
+    assert asked(torch.float8_e4m3fn, "cute") == [2]  # forced: the launcher takes prefill_sm90.cuh for FP8
 
 
 def test_cuda_multi_token_call_copies_a_query_whose_rows_are_off_16_bytes(monkeypatch):

@@ -119,7 +119,7 @@ def test_unknown_env_values_raise(case, monkeypatch):
         call(case)
     monkeypatch.delenv("HAL_TARGET")
     monkeypatch.setenv("HAL_CUDA_PREFILL", "fast")
-    with pytest.raises(ValueError, match=r"HAL_CUDA_PREFILL='fast' is not understood: expected one of auto, mma, wgmma"):
+    with pytest.raises(ValueError, match=r"HAL_CUDA_PREFILL='fast' is not understood: expected one of auto, mma, wgmma, cute"):
         hal.env.check()
     monkeypatch.setenv("HAL_CUDA_PREFILL", " WGMMA ")
     assert hal.env.cuda_prefill_kernel() == "wgmma"

@@ -7,7 +7,10 @@
 #   STEPS="tests bench" (default), also "slow" (128K prefill, 4 GiB cache), "wgmma-grid" (the whole grid
 #   with HAL_CUDA_PREFILL=wgmma), "tune" (tools/tune --prefill; TUNE_WRITE=1 writes and returns
 #   tuning.json), "sanitizer", "profile" (ncu)
-#   BENCH="prefill prefill-extra", BUDGET=1 (seconds a row)
+#   "cute" (the CuTe kernel's forced tests and CUDA-graph replay), "cute-grid" (the whole cuda grid with
+#   HAL_CUDA_PREFILL=cute), "cute-sanitizer" (memcheck + racecheck on CuTe cases)
+#   BENCH="prefill prefill-extra" (sets or specs), BUDGET=1 (seconds a row), KV=bf16,e4m3fn,
+#   CONTENDERS="hal hal-split hal:cuda-wgmma flashinfer-prefill fa3 fa3-fp8"
 set -o pipefail
 OUT=${OUT:-results}
 mkdir -p "$OUT"
@@ -29,6 +32,16 @@ for step in $STEPS; do
     wgmma-grid)  # the whole multi-token grid (slow tests too) on the sm_90a kernel: what turning it on needs
       HAL_CUDA_PREFILL=wgmma timeout 400 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_cuda_prefill.py \
         -m cuda 2>&1 | tail -15 | tee "$OUT/pytest_wgmma.log" ;;
+    cute) timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_cuda_prefill.py \
+             -k "forced_cute or replay" 2>&1 | tail -15 | tee "$OUT/pytest_cute.log" ;;
+    cute-grid) HAL_CUDA_PREFILL=cute timeout 300 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_cuda_prefill.py \
+             tests/test_cuda_pack.py -m "cuda and not slow" 2>&1 | tail -15 | tee "$OUT/pytest_cute_grid.log" ;;
+    cute-sanitizer)
+      for tool in memcheck racecheck; do
+        timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -x \
+          tests/test_cuda_prefill.py -k "forced_cute and (mixed or ragged or block-8) and 128" \
+          2>&1 | tail -6 | tee "$OUT/sanitizer_cute_$tool.log"
+      done ;;
     tune) timeout 400 python3 tools/tune --prefill --json "$OUT/tune-prefill.json" ${TUNE_WRITE:+--write} 2>&1 \
             | tail -30 | tee "$OUT/tune-prefill.txt"
           [ -n "${TUNE_WRITE:-}" ] && cp packs/cuda/tuning.json "$OUT/" ;;
@@ -45,8 +58,8 @@ for step in $STEPS; do
           python3 tools/prefill_once.py $kernel $cache > "$OUT/ncu_${kernel}_$cache.txt" 2>&1
         tail -3 "$OUT/ncu_${kernel}_$cache.txt"
       done; done ;;
-    bench) timeout 420 python3 tools/bench --shapes ${BENCH:-prefill prefill-extra} --kv-dtype bf16,e4m3fn \
-             --contenders hal hal-split hal:cuda-wgmma flashinfer-prefill fa3 fa3-fp8 --budget ${BUDGET:-1} \
+    bench) timeout ${BENCH_T:-420} python3 tools/bench --shapes ${BENCH:-prefill prefill-extra} --kv-dtype ${KV:-bf16,e4m3fn} \
+             --contenders ${CONTENDERS:-hal hal-split hal:cuda-wgmma flashinfer-prefill fa3 fa3-fp8} --budget ${BUDGET:-1} \
              --json "$OUT/bench-prefill.json" 2>"$OUT/bench-progress.log" | tee "$OUT/bench-prefill.txt" | tail -3
            tail -3 "$OUT/bench-progress.log" ;;
   esac

@@ -33,11 +33,13 @@ def head_tile(element_size: int, head_size: int) -> int:
     return min(tile, 8) if element_size == 1 and head_size > FP8_WIDE_TILE_MAX_HEAD else tile
 
 
-# Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "wgmma_head_sizes"
-# take the wgmma kernel where the grid is mostly rows, and the rest the mma.sync one), "mma"
-# (csrc/prefill.cuh, mma.sync: every arch) or "wgmma" (csrc/prefill_sm90.cuh, warpgroup MMAs fed by a
-# producer warpgroup: where it can run, an sm_90 GPU with sm_90a code in the module and head sizes
-# 64/128/192; elsewhere the mma.sync kernel).
+# Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "cute_head_sizes"
+# (16-bit caches) and "wgmma_head_sizes" take those kernels where the grid is mostly rows, and the rest
+# the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch), "wgmma" (csrc/prefill_sm90.cuh,
+# warpgroup MMAs fed by a producer warpgroup: where it can run, an sm_90 GPU with sm_90a code in the
+# module and head sizes 64/128/192; elsewhere the mma.sync kernel) or "cute" (csrc/prefill_cute.cuh, on
+# CUTLASS's CuTe: 128-key tiles, swizzled operands; 16-bit caches at head sizes 64 and 128 where the
+# module was built with CUTLASS, elsewhere as "wgmma").
 # The tests and the bench set this; users set HAL_CUDA_PREFILL.
 PREFILL_KERNEL = "auto"
 # "auto" takes the wgmma kernel only where at least this fraction of its grid has rows to compute: the
@@ -89,13 +91,25 @@ MLA_SCHEDULE_OVERHEAD = 2
 MLA_SCHEDULE_TILES = 8192  # csrc/launch.h kMlaScheduleTiles
 
 
-def _prefill_wgmma(head_size: int, device: torch.device, total_q: int, num_seqs: int, max_query_len: int) -> bool:
+# the prefill launch's kernel code (params.h PrefillParams.wgmma): each where it can run, else the next down
+PREFILL_KERNEL_CODES = {"mma": 0, "wgmma": 1, "cute": 2}
+
+
+def _prefill_kernel(head_size: int, cache_dtype: torch.dtype, device: torch.device, total_q: int, num_seqs: int,
+                    max_query_len: int) -> int:
+    """The multi-token kernel a launch asks for (PREFILL_KERNEL_CODES): forced by PREFILL_KERNEL or
+    HAL_CUDA_PREFILL, else by the tuning entry: "cute_head_sizes" (16-bit caches) before
+    "wgmma_head_sizes", each only where the grid is mostly rows (WGMMA_MIN_FILL)."""
     kernel = PREFILL_KERNEL if PREFILL_KERNEL != "auto" else env.cuda_prefill_kernel()
     if kernel != "auto":
-        return kernel == "wgmma"
+        return PREFILL_KERNEL_CODES[kernel]
+    if total_q < WGMMA_MIN_FILL * num_seqs * max_query_len:
+        return 0
     _, arch = _device_facts(_device_index(device))
-    listed = head_size in tuning_for(arch).get("prefill", {}).get("wgmma_head_sizes", ())
-    return listed and total_q >= WGMMA_MIN_FILL * num_seqs * max_query_len
+    entry = tuning_for(arch).get("prefill", {})
+    if cache_dtype.itemsize == 2 and head_size in entry.get("cute_head_sizes", ()):
+        return 2
+    return 1 if head_size in entry.get("wgmma_head_sizes", ()) else 0
 
 
 def _mla_own_kernel(groups: int, device: torch.device, fp8_latent: bool) -> bool:
@@ -240,7 +254,7 @@ def _prefill_args(out, query, key_cache, value_cache, block_tables, seq_lens, qu
             seq_lens.shape[0], h, hkv, bs, 0 if sliding_window is None else sliding_window, int(causal),
             int(query.dtype == torch.bfloat16), max_query_len, 2, *_row_strides(key_cache, "key_cache"),
             *_row_strides(value_cache, "value_cache"),
-            int(_prefill_wgmma(d, query.device, query.shape[0], seq_lens.shape[0], max_query_len))]
+            _prefill_kernel(d, key_cache.dtype, query.device, query.shape[0], seq_lens.shape[0], max_query_len)]
 
 
 def _multi_token(call) -> bool:

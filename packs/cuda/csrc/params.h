@@ -60,7 +60,8 @@ struct PrefillParams {
   int window, causal, q_is_bf16;  // window <= 0: off
   int row_tiles;                // CTAs a (sequence, KV head): ceil(max_query_len * gqa / rows a CTA)
   int min_rows;                 // sequences with fewer query rows are skipped (2: decode takes 1-row ones)
-  int wgmma;                    // 1: the sm_90a kernel (prefill_sm90.cuh) where it can run, else mma.sync
+  int wgmma;                    // 2: the CuTe kernel (prefill_cute.cuh), 1: prefill_sm90.cuh, 0: mma.sync; each
+                                // where it can run, else the next one down (prefill_launch.inc)
 };
 
 struct CacheParams {
