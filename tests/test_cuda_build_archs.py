@@ -275,3 +275,60 @@ def test_configure_fails_on_a_bad_value_naming_the_variable(tmp_path):
     err = " ".join(run.stderr.split())  # CMake wraps the message
     assert run.returncode != 0
     assert "hal: cannot choose the cuda pack's archs: TORCH_CUDA_ARCH_LIST='sm_90'" in err
+
+
+# --- the CuTe kernels: sm_90a only, CUTLASS's headers from the nvidia-cutlass wheel or a define ---
+
+@pytest.mark.slow   # three CMake configures
+def test_configure_builds_the_cute_kernels_only_for_sm90a_with_cutlass(tmp_path):
+    """89 alone: not built, because sm_90a is not among the archs; 90a with a folder that holds
+    cute/tensor.hpp: built; 90a with a folder that does not: not built, naming the missing headers."""
+    inc = tmp_path / "inc"
+    (inc / "cute").mkdir(parents=True)
+    (inc / "cute" / "tensor.hpp").write_text("// stand-in: configure only reads that it exists\n")
+    cases = [("89-real", str(inc), False, "sm_90a is not among the archs built"),
+             ("90a-real", str(inc), True, ""),
+             ("90a-real", str(tmp_path / "nowhere"), False, "no CUTLASS headers were found")]
+    for i, (archs, where, built, why) in enumerate(cases):
+        sub = tmp_path / f"c{i}"
+        sub.mkdir()
+        run, info = _configure(sub, {"HAL_CUDA_ARCHS": archs}, None, f"-DHAL_CUTLASS_INCLUDE={where}")
+        assert run.returncode == 0, run.stdout + run.stderr
+        data = json.loads(info.read_text())
+        assert data["cute"] is built, (archs, where, data)
+        if built:
+            assert f"hal: the CuTe kernels are built for sm_90a (CUTLASS headers: {where})" in run.stdout
+        else:
+            assert why in data["cute_reason"] and f"hal: the CuTe kernels are not built: {why}" in run.stdout
+
+
+def test_build_backend_asks_for_cutlass_only_where_sm90a_is_built(monkeypatch):
+    """build_backend/hal_build.py: nvidia-cutlass joins the build requirements only where nvcc is and
+    the arch decision (archs.py, what CMake will apply) includes 90a."""
+    import importlib.util
+    import types
+
+    # scikit-build-core lives only in pip's isolated build environment: a stand-in with its two hooks
+    skb, skb_build = types.ModuleType("scikit_build_core"), types.ModuleType("scikit_build_core.build")
+    skb_build.get_requires_for_build_wheel = lambda settings=None: ["ninja"]
+    skb_build.get_requires_for_build_editable = lambda settings=None: ["ninja"]
+    skb.build = skb_build
+    monkeypatch.setitem(sys.modules, "scikit_build_core", skb)
+    monkeypatch.setitem(sys.modules, "scikit_build_core.build", skb_build)
+    spec = importlib.util.spec_from_file_location("hal_build_under_test", ROOT / "build_backend" / "hal_build.py")
+    hal_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hal_build)
+    monkeypatch.setattr(hal_build, "_cuda_compiler", lambda: True)
+    for k in ("HAL_CUDA_ARCHS", "TORCH_CUDA_ARCH_LIST", "CUDAARCHS"):
+        monkeypatch.delenv(k, raising=False)
+    asks = lambda settings=None: hal_build.CUTLASS in hal_build.get_requires_for_build_wheel(settings)  # noqa: E731
+    for value, want in (("all", True), ("90a", True), ("89-real;120-real", False), ("none", False)):
+        monkeypatch.setenv("HAL_CUDA_ARCHS", value)
+        assert asks() is want, value
+    monkeypatch.delenv("HAL_CUDA_ARCHS")
+    assert asks({"cmake.define.HAL_CUDA_ARCHS": "all"}) is True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert asks() is True
+    monkeypatch.setattr(hal_build, "_cuda_compiler", lambda: False)
+    assert asks() is False   # no nvcc: no cuda pack, no headers needed
+    assert hal_build.get_requires_for_build_editable() == ["ninja"]
