@@ -17,7 +17,7 @@ VARIABLES = {
     "HAL_DEBUG": "1: checks that need a device sync (block-table entries, slots, scale values on GPU)",
     "HAL_CUDA_ARCHS": "build time (pip install): the cuda pack's archs: all, none, auto or a CMake list (docs/cuda.md)",
     "HAL_CUDA_PREFILL": "the cuda pack's multi-token kernel: auto (the tuning table), mma (mma.sync, every arch), "
-                        "wgmma (sm_90a, where it runs) or cute (sm_90a on CuTe, 16-bit caches; docs/cuda.md)",
+                        "wgmma (sm_90a, where it runs) or cute (sm_90a on CuTe, head 64/128; docs/cuda.md)",
 }
 CUDA_PREFILL_KERNELS = ("auto", "mma", "wgmma", "cute")
 BOOL_VARIABLES = ("HAL_STRICT", "HAL_DEBUG")

@@ -216,7 +216,7 @@ CUTE_CASES = {  # the CuTe kernel forced: the wgmma cases plus a long causal pre
 @gpu
 @pytest.mark.parametrize("case", sorted(CUTE_CASES))
 @pytest.mark.parametrize("head_size", (64, 128))
-@pytest.mark.parametrize("cache", (torch.float16, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("cache", CACHES, ids=str)
 def test_forced_cute_kernel(case, head_size, cache, monkeypatch):
     """launch.PREFILL_KERNEL = "cute": csrc/prefill_cute.cuh on an sm_90 GPU with the module built with
     CUTLASS (elsewhere prefill_sm90.cuh or mma.sync runs and this checks that)."""
@@ -232,6 +232,7 @@ def test_forced_sm90_kernels_replay_in_a_cuda_graph(kernel, monkeypatch):
     from hal.kernelpacks.cuda import launch
     monkeypatch.setattr(launch, "PREFILL_KERNEL", kernel)
     test_cuda_graph_replay_matches_eager(cache=torch.bfloat16)
+    test_cuda_graph_replay_matches_eager(cache=torch.float8_e4m3fn)
 
 
 @gpu

@@ -656,8 +656,8 @@ def test_cuda_multi_token_kernel_choice(monkeypatch):
 
 
 def test_cuda_multi_token_cute_kernel_choice(monkeypatch):
-    """The tuning entry's prefill.cute_head_sizes asks for the CuTe kernel (2) over 16-bit caches only, and
-    before wgmma_head_sizes; HAL_CUDA_PREFILL=cute forces it (the launcher falls back by kind and head size)."""
+    """The tuning entry's prefill.cute_head_sizes asks for the CuTe kernel (2), before wgmma_head_sizes, for
+    every cache kind; HAL_CUDA_PREFILL=cute forces it (the launcher falls back by head size and arch)."""
     launch, seen = _launch_under_test(monkeypatch)
     real = launch.tuning_for
     monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
@@ -678,9 +678,10 @@ def test_cuda_multi_token_cute_kernel_choice(monkeypatch):
         launch.paged_attention(record)
         return [a[-2] for name, a in seen if name == "prefill"]
 
-    assert asked(torch.bfloat16) == [2]
-    assert asked(torch.float8_e4m3fn) == [1]          # FP8 caches: the CuTe kernel does not serve them
-    assert asked(torch.float8_e4m3fn, "cute") == [2]  # forced: the launcher takes prefill_sm90.cuh for FP8
+    assert asked(torch.bfloat16) == [2] and asked(torch.float8_e4m3fn) == [2]
+    monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
+                        {**real(arch), "prefill": {"wgmma_head_sizes": [128], "cute_head_sizes": [64]}})
+    assert asked(torch.bfloat16) == [1] and asked(torch.float8_e4m3fn, "cute") == [2]
 
 
 def test_cuda_multi_token_call_copies_a_query_whose_rows_are_off_16_bytes(monkeypatch):

@@ -291,8 +291,8 @@ def _hal_cuda_wgmma(p: Problem, opts: dict) -> Prepared:
 
 
 def _hal_cuda_cute(p: Problem, opts: dict) -> Prepared:
-    """The cuda pack with its CuTe multi-token kernel forced (csrc/prefill_cute.cuh: 16-bit caches, head
-    64 and 128; FP8 caches and other heads take csrc/prefill_sm90.cuh)."""
+    """The cuda pack with its CuTe multi-token kernel forced (csrc/prefill_cute.cuh: head 64 and 128;
+    other heads take csrc/prefill_sm90.cuh or mma.sync)."""
     if p.op != PREFILL:
         raise Skip("prefill problems only")
     return _hal_cuda_kernel("PREFILL_KERNEL", "cute", "csrc/prefill_cute.cuh")(p, opts)
@@ -344,7 +344,7 @@ def all_contenders() -> list[Contender]:
                                  "the sm_90a kernel forced (wgmma, producer warpgroup)", _hal_cuda_wgmma,
                                  ops=frozenset({PREFILL, MLA})))
             out.append(Contender("hal:cuda-cute", "hal", "hal.paged_attention(pack='cuda') with the CuTe "
-                                 "multi-token kernel forced (sm_90a, 16-bit caches)", _hal_cuda_cute,
+                                 "multi-token kernel forced (sm_90a, head 64/128)", _hal_cuda_cute,
                                  ops=frozenset({PREFILL})))
             out.append(Contender("hal:cuda-mma", "hal", "hal.mla_decode(pack='cuda') with the mma.sync kernel "
                                  "(csrc/mla.cuh) forced", _hal_cuda_mma, ops=frozenset({MLA})))

@@ -21,10 +21,12 @@ int launch_prefill_f16(int head_size, int max_query_len, PrefillParams& p, cudaS
 int launch_prefill_bf16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
 int launch_prefill_e4m3(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
 int launch_prefill_e5m2(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
-// The CuTe kernel (prefill_cute.cuh, sm_90a, 16-bit caches; built where CMake found CUTLASS: HAL_CUDA_CUTE)
+// The CuTe kernel (prefill_cute.cuh, sm_90a; built where CMake found CUTLASS: HAL_CUDA_CUTE)
 constexpr bool cute_head_size(int d) { return d == 64 || d == 128; }
 int launch_prefill_cute_f16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
 int launch_prefill_cute_bf16(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
+int launch_prefill_cute_e4m3(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
+int launch_prefill_cute_e5m2(int head_size, int max_query_len, PrefillParams& p, cudaStream_t stream);
 int launch_reduce(int head_size, const DecodeParams& p, cudaStream_t stream);
 // kind: 0 fp16, 1 bf16, 2 e4m3fn, 3 e5m2 cache; input: 0 fp16, 1 bf16, 2 fp32 key/value
 int launch_cache_kv(int kind, int input, const CacheParams& p, cudaStream_t stream);
