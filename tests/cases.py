@@ -372,3 +372,15 @@ def set_cache_element(cache, block, head, off, col, value: float):
             torch.float8_e4m3fnuz, torch.float8_e5m2fnuz) else 0x7F
     else:
         cache[block, head, off, col] = value
+
+
+# The quick loop (``pytest -m "not slow"``, README): the rocm emulation grids run for MI300 (gfx942)
+# there, every other arch only in the full suite.
+QUICK_ARCH = "gfx942"
+
+
+def arch_params(archs):
+    """``archs`` as pytest params, all but QUICK_ARCH marked ``slow``."""
+    import pytest
+
+    return [a if a == QUICK_ARCH else pytest.param(a, marks=pytest.mark.slow) for a in archs]

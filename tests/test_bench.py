@@ -29,6 +29,7 @@ def _run(tmp_path, *extra):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_every_contender_has_a_row_and_a_correctness_figure(tmp_path):
     result = _run(tmp_path)
     names = [c.name for c in contenders_mod.all_contenders() if "decode" in c.ops]
@@ -75,6 +76,7 @@ def _bad(kind):
     return setup
 
 
+@pytest.mark.slow
 def test_wrong_and_crashing_contenders_fail_without_stopping_the_run(tmp_path, monkeypatch):
     known = contenders_mod.all_contenders()
     extra = [Contender(f"bad-{k}", "test", k, _bad(k)) for k in ("raise", "wrong", "partial")]
@@ -191,6 +193,7 @@ def test_prefill_problem_rows_lengths_and_flop():
     assert b["kv"] == 2 * sum(p.lens) * 2 * 64 and b["query"] == b["output"] == p.total_q * 4 * 64 * 2
 
 
+@pytest.mark.slow
 def test_dry_run_exercises_every_path_that_runs_on_a_cpu(tmp_path):
     """``--dry-run``: the tiny decode and prefill sets, checked and timed; what needs CUDA says so."""
     path = tmp_path / "dry.json"

@@ -179,6 +179,7 @@ def _bad(kind: str):
     return setup
 
 
+@pytest.mark.slow
 def test_end_to_end_cpu_run(tmp_path, monkeypatch):
     """main() on the tiny MLA shapes and one decode shape, bf16 and e4m3fn: hal, emu-torch and the
     torch baseline are checked (5e-3) and timed with both fractions; wrong or crashing contenders

@@ -53,6 +53,7 @@ def _kernels(notes: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("unit", UNITS)
+@pytest.mark.slow
 def test_wgmma_kernels_are_not_serialized(unit, tmp_path):
     notes = _ptxas_notes(unit, tmp_path)
     wg = {name: lines for name, lines in _kernels(notes).items() if "_wg_kernel" in name}

@@ -260,6 +260,7 @@ def interpreter_results(tmp_path_factory):
 
 @pytest.mark.emu
 @pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
+@pytest.mark.slow
 def test_interpreter(interpreter_results, name):
     assert interpreter_results[name] == "ok", interpreter_results[name]
 
@@ -311,6 +312,7 @@ COMPILE_CASES = {
 
 @pytest.mark.emu
 @pytest.mark.parametrize("case_name", list(COMPILE_CASES))
+@pytest.mark.slow
 def test_kernels_compile_offline_for_gpu_targets(case_name, monkeypatch, tmp_path):
     """The host code's launch arguments, compiled (not run) for NVIDIA and AMD targets."""
     if triton is None:

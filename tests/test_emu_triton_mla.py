@@ -351,6 +351,7 @@ def interpreter_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.slow
 def test_interpreter(interpreter_results, name):
     assert interpreter_results[name] == "ok", interpreter_results[name]
 
@@ -459,6 +460,7 @@ COMPILE_CASES = {  # make_mla arguments, varlen, forced splits; R = 512 first: t
 
 
 @pytest.mark.parametrize("name", list(COMPILE_CASES))
+@pytest.mark.slow
 def test_kernels_compile_offline(name, monkeypatch, tmp_path):
     """The host code's launches compiled (not run) for sm_80, sm_90 and gfx942: within 64 KiB of
     shared memory / LDS (sm_75's and gfx942's limit), tensor-core / MFMA products on the 16-bit

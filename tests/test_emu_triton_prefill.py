@@ -258,6 +258,7 @@ def interpreter_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.slow
 def test_interpreter(interpreter_results, name):
     assert interpreter_results[name] == "ok", interpreter_results[name]
 
@@ -271,6 +272,7 @@ COMPILE_CASES = {  # (query dtype, cache dtype, head size, features, causal)
 
 
 @pytest.mark.parametrize("case_name", list(COMPILE_CASES))
+@pytest.mark.slow
 def test_kernel_compiles_offline_for_gfx942(case_name, monkeypatch, tmp_path):
     """The host code's launch, compiled (not run) for AMD gfx942 (wave64, MFMA) and NVIDIA sm_80."""
     if triton is None or torch.cuda.is_available():
@@ -300,6 +302,7 @@ def test_kernel_compiles_offline_for_gfx942(case_name, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.slow
 def test_sm90_tuned_tiles_compile_offline(cache_dtype, monkeypatch, tmp_path):
     """The H200's tuned tiles (triton_prefill.TUNED[(9, 0)]) are the ones the host code launches on
     sm_90, and compile for sm_90 within its shared memory (227 KiB a block)."""

@@ -560,6 +560,7 @@ def text_ids(smollm2):
     return tok(text, return_tensors="pt").input_ids[:, :320]
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_cache_matches_stock_within_bf16_rounding(smollm2, text_ids):
     """End to end, the bf16 cache is stock attention plus one bf16 rounding of K/V. The bounds compare
     statistics that do not depend on which roundings flip (see _check_layers for why exact agreement
@@ -591,6 +592,7 @@ def test_smollm2_bf16_cache_matches_stock_within_bf16_rounding(smollm2, text_ids
 
 
 @pytest.mark.parametrize("enc", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.slow
 def test_smollm2_cache_is_the_round_trip_layer_by_layer(smollm2, text_ids, enc, monkeypatch):
     """All 30 layers, teacher-forced on real activations: hal's attention over its bf16 / e4m3fn cache
     equals SDPA over K/V round-tripped through the encoding, within the float32 summation-order bound
@@ -606,6 +608,7 @@ def test_smollm2_cache_is_the_round_trip_layer_by_layer(smollm2, text_ids, enc, 
     _check_layers(records, RoundTrip(enc, scales), unrounded=RoundTrip(torch.float32))
 
 
+@pytest.mark.slow
 def test_smollm2_chunked_steps_are_causal_attention_at_their_positions(smollm2, text_ids, monkeypatch):
     """All 30 layers on real activations, through the steps a server runs: two prompts of different
     lengths in chunks of 64 (one multi-token call per layer per chunk), a mixed step and decode
@@ -627,6 +630,7 @@ def test_smollm2_chunked_steps_are_causal_attention_at_their_positions(smollm2, 
     assert got["calls"] == 5 * 30 and got["multi"] == 4 * 30 and got["controls"] >= 4 * 30
 
 
+@pytest.mark.slow
 def test_smollm2_small_perplexity_run(smollm2, text_ids):
     """A few hundred tokens through hal-eval's engine: the bf16 cache costs < 0.5% perplexity, e4m3fn
     stays within the range the plain-PyTorch round trip allows. Bounds measured with OMP_NUM_THREADS=1,

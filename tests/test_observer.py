@@ -89,6 +89,7 @@ def test_no_host_sync_per_call(monkeypatch):
     assert torch.equal(obs.absmax()[0][0], k.abs().amax(dim=(0, 2)))
 
 
+@pytest.mark.slow
 def test_under_torch_compile_fullgraph():
     """fullgraph=True fails on any graph break, a host sync included; the maxima match eager."""
     compiled_obs, eager_obs = KVScaleObserver(2, 2), KVScaleObserver(2, 2)

@@ -20,7 +20,7 @@ import torch
 
 import hal
 import reference
-from cases import (FP8, alibi_slopes, attention_call, cache_write_call, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok, poison_unread,
+from cases import (FP8, alibi_slopes, arch_params, attention_call, cache_write_call, gpu_tolerance_ok, make_case, nan_input_cases, nan_rows_ok, poison_unread,
                    read_slots)
 from hal.kernelpacks.rocm import build, emulator, kernels, ops, pack, testing
 
@@ -28,7 +28,7 @@ CSRC = str(pathlib.Path(__file__).resolve().parents[1] / "packs" / "rocm" / "csr
 ARCHS = ("gfx942", "gfx90a")
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=arch_params(ARCHS))
 def sim(request) -> emulator.Emulator:
     """The CPU wave64 emulation of one arch ("sim": "emu" is the emu pack; module-scoped: each flavour is
     compiled once)."""
@@ -81,7 +81,7 @@ LENS = [1, 0, 33, 16, 300, 127]  # single token, empty, odd, one block, two part
 # ---------------------------------------------------------------------------------------------------
 # paged attention
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", arch_params(ARCHS))
 def test_every_declared_cache_and_query_dtype(arch):
     em = _emulation(arch)
     for cache in declared_caches(arch):

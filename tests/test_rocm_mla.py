@@ -34,7 +34,7 @@ import re
 import pytest
 import reference
 import torch
-from cases import FP8, GPU_REL_L2, gpu_tolerance_ok
+from cases import FP8, GPU_REL_L2, arch_params, gpu_tolerance_ok
 from hal.kernelpacks.rocm import build, codeobj, emulator, kernels, ops, pack, testing
 from test_emu_mla import make_mla
 
@@ -163,7 +163,7 @@ def _emulation(arch: str) -> emulator.Emulator:
         raise
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=arch_params(ARCHS))
 def sim(request) -> emulator.Emulator:
     return _emulation(request.param)
 
@@ -209,7 +209,7 @@ def _latents(arch):
     return sorted(pack.supports_for(arch)["mla_decode"].cache_dtypes, key=str)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", arch_params(ARCHS))
 def test_every_declared_latent_and_query(arch):
     """Each (query, latent) kernel of the arch: 16-bit latents with their own query dtype, every FP8
     encoding with both (a bf16 query runs the f16 rescale path); an empty sequence, one token, odd lengths."""

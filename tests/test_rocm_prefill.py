@@ -32,7 +32,7 @@ import re
 import pytest
 import reference
 import torch
-from cases import FEATURES, GEOMETRIES, GPU_REL_L2, alibi_slopes, gpu_tolerance_ok, make_varlen
+from cases import FEATURES, GEOMETRIES, GPU_REL_L2, alibi_slopes, arch_params, gpu_tolerance_ok, make_varlen
 from hal.kernelpacks.rocm import build, codeobj, emulator, kernels, ops, pack, testing
 
 import hal
@@ -146,7 +146,7 @@ def _emulations(arch: str) -> tuple[emulator.Emulator, emulator.Emulator]:
         raise
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=arch_params(ARCHS))
 def sims(request):
     return _emulations(request.param)
 
@@ -198,7 +198,7 @@ def test_geometries(sims, geometry):
         assert ("pa_prefill" in kinds) == (max(GEOMETRIES[geometry][1]) > 1) and "pa_decode" in kinds, be.launches
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", arch_params(ARCHS))
 def test_every_declared_cache_and_query_dtype(arch):
     sims = _emulations(arch)
     caches = sorted(pack.supports_for(arch)["paged_attention"].cache_dtypes, key=str)
@@ -291,6 +291,7 @@ def test_work_item_order_does_not_change_a_bit(schedule):
     assert torch.equal(base, other)
 
 
+@pytest.mark.slow
 def test_64k_token_context():
     """A 40-token chunk at the end of a 65536-token context (1024 steps of the d64 kernel; block offsets
     past 2^24 elements) next to a decode row over the same context."""
@@ -299,6 +300,7 @@ def test_64k_token_context():
                             cache_dtype=torch.float8_e4m3fnuz, extra_blocks=1, seed=11))
 
 
+@pytest.mark.slow
 def test_64k_token_prefill_with_a_window():
     """A whole 65536-token prompt in one call (65536 query rows, 1024 row tiles), kept to emulation
     size by a 64-token sliding window: every row tile stages only its rows' keys, and row offsets pass
