@@ -656,12 +656,16 @@ def test_cuda_multi_token_kernel_choice(monkeypatch):
 
 
 def test_cuda_multi_token_cute_kernel_choice(monkeypatch):
-    """The tuning entry's prefill.cute_head_sizes asks for the CuTe kernel (2), before wgmma_head_sizes, for
-    every cache kind; HAL_CUDA_PREFILL=cute forces it (the launcher falls back by head size and arch)."""
+    """The tuning entry asks for the CuTe kernel (2) before wgmma_head_sizes: prefill.cute_head_sizes for
+    16-bit caches, prefill.cute_fp8_head_sizes for FP8 ones; HAL_CUDA_PREFILL=cute forces it (the launcher
+    falls back by head size and arch). The shipped sm_90 entry lists head 128 for 16-bit caches only."""
     launch, seen = _launch_under_test(monkeypatch)
     real = launch.tuning_for
+    shipped = real("sm_90").get("prefill", {})
+    assert shipped.get("cute_head_sizes") == [128] and not shipped.get("cute_fp8_head_sizes")
     monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
-                        {**real(arch), "prefill": {"wgmma_head_sizes": [128], "cute_head_sizes": [128]}})
+                        {**real(arch), "prefill": {"wgmma_head_sizes": [128], "cute_head_sizes": [128],
+                                                   "cute_fp8_head_sizes": [128]}})
     monkeypatch.delenv("HAL_CUDA_PREFILL", raising=False)
     monkeypatch.setattr(launch, "PREFILL_KERNEL", "auto")
 
@@ -679,6 +683,9 @@ def test_cuda_multi_token_cute_kernel_choice(monkeypatch):
         return [a[-2] for name, a in seen if name == "prefill"]
 
     assert asked(torch.bfloat16) == [2] and asked(torch.float8_e4m3fn) == [2]
+    monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
+                        {**real(arch), "prefill": {"wgmma_head_sizes": [128], "cute_head_sizes": [128]}})
+    assert asked(torch.bfloat16) == [2] and asked(torch.float8_e4m3fn) == [1]
     monkeypatch.setattr(launch, "tuning_for", lambda arch, cls=None: real(arch, cls) if cls else
                         {**real(arch), "prefill": {"wgmma_head_sizes": [128], "cute_head_sizes": [64]}})
     assert asked(torch.bfloat16) == [1] and asked(torch.float8_e4m3fn, "cute") == [2]

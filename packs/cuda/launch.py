@@ -34,7 +34,7 @@ def head_tile(element_size: int, head_size: int) -> int:
 
 
 # Multi-token kernel: "auto" (HAL_CUDA_PREFILL, else the tuning entry's "prefill" "cute_head_sizes"
-# (16-bit caches) and "wgmma_head_sizes" take those kernels where the grid is mostly rows, and the rest
+# (16-bit caches), "cute_fp8_head_sizes" (FP8 caches) and "wgmma_head_sizes" take those kernels where the grid is mostly rows, and the rest
 # the mma.sync one), "mma" (csrc/prefill.cuh, mma.sync: every arch), "wgmma" (csrc/prefill_sm90.cuh,
 # warpgroup MMAs fed by a producer warpgroup: where it can run, an sm_90 GPU with sm_90a code in the
 # module and head sizes 64/128/192; elsewhere the mma.sync kernel) or "cute" (csrc/prefill_cute.cuh, on
@@ -98,8 +98,9 @@ PREFILL_KERNEL_CODES = {"mma": 0, "wgmma": 1, "cute": 2}
 def _prefill_kernel(head_size: int, cache_dtype: torch.dtype, device: torch.device, total_q: int, num_seqs: int,
                     max_query_len: int) -> int:
     """The multi-token kernel a launch asks for (PREFILL_KERNEL_CODES): forced by PREFILL_KERNEL or
-    HAL_CUDA_PREFILL, else by the tuning entry: "cute_head_sizes" before "wgmma_head_sizes", each
-    only where the grid is mostly rows (WGMMA_MIN_FILL)."""
+    HAL_CUDA_PREFILL, else by the tuning entry: "cute_head_sizes" (16-bit caches) or
+    "cute_fp8_head_sizes" (FP8 caches) before "wgmma_head_sizes", each only where the grid is mostly
+    rows (WGMMA_MIN_FILL)."""
     kernel = PREFILL_KERNEL if PREFILL_KERNEL != "auto" else env.cuda_prefill_kernel()
     if kernel != "auto":
         return PREFILL_KERNEL_CODES[kernel]
@@ -107,7 +108,7 @@ def _prefill_kernel(head_size: int, cache_dtype: torch.dtype, device: torch.devi
         return 0
     _, arch = _device_facts(_device_index(device))
     entry = tuning_for(arch).get("prefill", {})
-    if head_size in entry.get("cute_head_sizes", ()):
+    if head_size in entry.get("cute_fp8_head_sizes" if cache_dtype.itemsize == 1 else "cute_head_sizes", ()):
         return 2
     return 1 if head_size in entry.get("wgmma_head_sizes", ()) else 0
 

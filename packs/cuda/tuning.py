@@ -99,10 +99,15 @@ def summary(arch: str) -> str:
              + (f", a warp per row from {v['warp_rows'] * v['ctas_per_sm'] * v['waves']:g} rows per SM"
                 if v.get("warp_rows", 0) > 0 else ", warp rows off")
              for c, v in t["classes"].items()]
-    wg = t.get("prefill", {}).get("wgmma_head_sizes", [])
-    lines.append("multi-token kernel: " + (f"wgmma (csrc/prefill_sm90.cuh) for head sizes {', '.join(map(str, wg))} "
-                                           "(grids at least half rows), mma.sync for the rest" if wg
-                                           else "mma.sync (csrc/prefill.cuh)")
+    pre = t.get("prefill", {})
+    wg, cute, cute8 = (pre.get(k, []) for k in ("wgmma_head_sizes", "cute_head_sizes", "cute_fp8_head_sizes"))
+    heads = lambda hs: ", ".join(map(str, hs))  # noqa: E731
+    lines.append("multi-token kernel: "
+                 + (f"CuTe (csrc/prefill_cute.cuh) for head sizes {heads(cute)} over 16-bit caches, " if cute else "")
+                 + (f"CuTe for head sizes {heads(cute8)} over FP8 caches, " if cute8 else "")
+                 + (f"wgmma (csrc/prefill_sm90.cuh) for head sizes {heads(wg)} " if wg else "")
+                 + ("(grids at least half rows), mma.sync for the rest" if wg or cute or cute8
+                    else "mma.sync (csrc/prefill.cuh)")
                  + "; HAL_CUDA_PREFILL overrides")
     lines.append("MLA decode, 64-row tiles: " + ("wgmma (csrc/mla_sm90.cuh)" if t.get("mla", {}).get("wgmma")
                                                  else "mma.sync (csrc/mla.cuh)")
