@@ -17,7 +17,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     logits_soft_cap: float | None = None, sliding_window: int | None = None,
                     max_seq_len: int | None = None, query_start_loc: torch.Tensor | None = None,
                     max_query_len: int | None = None, causal: bool = True, out: torch.Tensor | None = None,
-                    pack: str | None = None) -> torch.Tensor:
+                    lse: torch.Tensor | None = None, pack: str | None = None) -> torch.Tensor:
     """Attention over a paged KV cache: decode (one query token per sequence), or with
     ``query_start_loc`` several tokens per sequence (prefill, chunked prefill, mixed batches).
 
@@ -45,13 +45,17 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     rules above hold with p in place of ``seq_len - 1`` (causal: keys ``j <= p``; ``causal=False``:
     every ``j < seq_len``, refused with ALiBi or a window). ``max_query_len``: host-side bound on the
     row counts (required during CUDA graph capture).
+    ``lse``: a float32 [total_q, num_heads] tensor (any strides) that receives each row's
+    log-sum-exp of its logits, ``log(sum_j exp(s_j))`` in natural log (``-inf`` for a row with no
+    key): what cascade and context-parallel merges combine partial outputs by. Packs declare it as
+    the feature ``lse``; one that lacks it is passed over with the reason.
     ``pack``: force a pack by name (also ``HAL_PACK``).
     """
     return _ops.call("paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
                      block_tables=block_tables, seq_lens=seq_lens, scale=scale, k_scale=k_scale, v_scale=v_scale,
                      alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
                      max_seq_len=max_seq_len, query_start_loc=query_start_loc, max_query_len=max_query_len,
-                     causal=causal, out=out, pack=pack)
+                     causal=causal, out=out, lse=lse, pack=pack)
 
 
 def cache_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

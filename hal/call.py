@@ -58,6 +58,9 @@ class AttentionCall:
     query_start_loc: torch.Tensor | None = None
     max_query_len: int = 1
     causal: bool = True
+    # float32 [total_q, num_heads] (any strides): each row's natural-log sum of exp of its logits (as
+    # scaled, capped and biased, before the softmax), -inf for a row with no key; None: not asked for
+    lse: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -42,7 +42,9 @@ from hal import ops as _ops
 
 __all__ = ["Plan", "plan", "record_runner"]
 
-_TENSOR, _OUT, _SCALE, _FLOAT_SCALE = 0, 1, 2, 3   # what each per-layer argument is: its check in run
+# what each per-layer argument is: its check in run. _EXTRA: an optional output (``lse``) that run
+# takes exactly when the plan was made with one (_EXTRA_NONE: made without)
+_TENSOR, _OUT, _SCALE, _FLOAT_SCALE, _EXTRA, _EXTRA_NONE = 0, 1, 2, 3, 4, 5
 _F32_LO, _F32_HI = 2.0 ** -149, float(torch.finfo(torch.float32).max)   # validate.positive_f32's range
 # the kinds a scale is planned as
 _NONE, _FLOAT, _HOST0, _TENSOR0, _TENSOR1 = "none", "float", "host", "0-d tensor", "[n] tensor"
@@ -111,6 +113,10 @@ class Plan:
                 kinds.append(_SCALE if kind in (_TENSOR0, _TENSOR1) else _FLOAT_SCALE)
                 sigs.append((kind, _layout(planned, scale=True) if isinstance(planned, torch.Tensor) else None))
                 continue
+            if name in decl.extra_outputs:
+                kinds.append(_EXTRA if planned is not None else _EXTRA_NONE)
+                sigs.append(_layout(planned) if planned is not None else None)
+                continue
             if planned is not given:
                 validate.fail(op, name, "laid out with a unit stride in its last dim to be planned (hal.plan's "
                               "run neither copies nor allocates; the one-shot call copies such views)",
@@ -143,6 +149,16 @@ class Plan:
         return self.run(*args, **kwargs)
 
     # -- the slow paths: errors and HAL_DEBUG --------------------------------------------------
+    def _extra(self, name: str, v, sig) -> None:
+        """An optional output given to run where the plan has none, or missing where it has one."""
+        if sig is None:
+            validate.fail(self.op, name, f"None in plan.run (the plan was made without {name}; make one with it)",
+                          validate.desc(v) if isinstance(v, torch.Tensor) else repr(v))
+        if v is None:
+            validate.fail(self.op, name, f"given to plan.run (the plan was made with {name}: "
+                          f"{_layout_text(sig)})", "None")
+        self._mismatch(name, v, sig)
+
     def _mismatch(self, name: str, v, sig: tuple) -> None:
         if v is None:
             got = "None"
@@ -238,6 +254,10 @@ def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False, raw: tuple
                      ["        if not ok:", f"            self._mismatch({n!r}, {n}, sigs[{i}])"]
         elif k == _SCALE:
             lines += check + ["    if not ok:", f"        {n} = self._scale({n!r}, {n}, sigs[{i}])"]
+        elif k == _EXTRA_NONE:
+            lines += [f"    if {n} is not None:", f"        self._extra({n!r}, {n}, None)"]
+        elif k == _EXTRA:
+            lines += check + ["    if not ok:", f"        self._extra({n!r}, {n}, sigs[{i}])"]
         else:  # a float scale: a Python float within float32's positive finite range passes as it is,
             # and None where the plan was made without one (1.0, as the one-shot call reads it)
             lines += [f"    if {n} is None and sigs[{i}][0] == {_NONE!r}:",
@@ -245,7 +265,7 @@ def _run_function(op: str, kinds: tuple[int, ...], gpu: bool = False, raw: tuple
                       f"    elif type({n}) is not float or not ({_F32_LO!r} <= {n} <= {_F32_HI!r}):",
                       f"        {n} = self._scale({n!r}, {n}, sigs[{i}])"]
     fields = "{" + ", ".join(f"{n!r}: {n}" for n in names) + "}"
-    graded = [n for n, k in zip(names, kinds) if k in (_TENSOR, _OUT, _SCALE)]   # tensors by now
+    graded = [n for n, k in zip(names, kinds) if k in (_TENSOR, _OUT, _SCALE, _EXTRA)]   # tensors by now
     if raw is None:
         lines += [f"    fields = {fields}",
                   f"    if _grad() and ({' or '.join(f'{n}.requires_grad' for n in graded)}):",

@@ -45,13 +45,15 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
 
 def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, causal=True,
                            scale=None, k_scale=None, v_scale=None, alibi_slopes=None, logits_soft_cap=None,
-                           sliding_window=None, sequences=None, rows_per_step=256) -> torch.Tensor:
+                           sliding_window=None, sequences=None, rows_per_step=256, lse=None) -> torch.Tensor:
     """float64 [total_q, num_heads, head_size] on the query's device, for several query tokens per
     sequence: sequence i owns rows qsl[i] .. qsl[i+1]-1, row t of its q_len rows sits at position
     p = L - q_len + t; keys j <= p (causal) or j < L, j > p - w with a window w; ALiBi adds
     slope_h * (j - p) after the soft-cap. One sequence at a time, reading only the pages it uses (the
     keys its rows can see), ``rows_per_step`` rows at once; rows of sequences not in ``sequences``
-    stay zero. Masked keys take no part at all (their weights are not multiplied by their values)."""
+    stay zero. Masked keys take no part at all (their weights are not multiplied by their values).
+    ``lse``: a float64 [total_q, num_heads] tensor that receives each row's log-sum-exp of its
+    logits (natural log; -inf for a row with no key)."""
     dev = query.device
     q = query.detach().to(torch.float64)
     total_q, h, d = q.shape
@@ -63,6 +65,8 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
     qsl = query_start_loc.cpu().to(torch.int64)
     slopes = None if alibi_slopes is None else alibi_slopes.detach().to(dev, torch.float64)
     out = torch.zeros((total_q, h, d), dtype=torch.float64, device=dev)
+    if lse is not None:
+        lse.fill_(float("-inf"))
     for i in (range(len(lens)) if sequences is None else sequences):
         length, q0 = int(lens[i]), int(qsl[i])
         q_len = int(qsl[i + 1]) - q0
@@ -94,6 +98,8 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
             if sliding_window is not None:
                 keep &= pos[None, :] > p[:, None] - sliding_window
             logits = logits.masked_fill(~keep[:, None, None, :], float("-inf"))
+            if lse is not None:
+                lse[q0 + r0:q0 + r1] = torch.logsumexp(logits, dim=-1).reshape(r1 - r0, h).to(lse.dtype)
             w = torch.softmax(logits, dim=-1)
             res = torch.einsum("rhgt,thd->rhgd", w, vals0)
             if bad.numel():  # an inf/NaN value reaches exactly the rows that keep its key

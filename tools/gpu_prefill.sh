@@ -51,11 +51,15 @@ for step in $STEPS; do
           tests/test_cuda_prefill.py -k "test_geometries and mixed and e4m3 or forced_wgmma and mixed and 128 and e4m3" \
           2>&1 | tail -6 | tee "$OUT/sanitizer_$tool.log"
       done ;;
-    profile)  # Nsight Compute on one 8x2048/32x8x128 prefill, each kernel, bf16 and e4m3fn caches
-      for kernel in mma wgmma; do for cache in bfloat16 float8_e4m3fn; do
-        timeout 120 ncu --kernel-name regex:prefill --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+    profile)  # Nsight Compute on one 8x2048/32x8x128 prefill: each of PROFILE_KERNELS (default "mma wgmma"),
+              # bf16 and e4m3fn caches; also the SASS lines with their stall samples (source page, csv)
+      for kernel in ${PROFILE_KERNELS:-mma wgmma}; do for cache in bfloat16 float8_e4m3fn; do
+        timeout 150 ncu --kernel-name regex:prefill --launch-skip 2 --launch-count 1 --section SpeedOfLight \
           --section WarpStateStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-          python3 tools/prefill_once.py $kernel $cache > "$OUT/ncu_${kernel}_$cache.txt" 2>&1
+          --section SchedulerStats --section SourceCounters --section LaunchStats --import-source no \
+          -f -o "/tmp/ncu_${kernel}_$cache" python3 tools/prefill_once.py $kernel $cache > "$OUT/ncu_${kernel}_$cache.log" 2>&1
+        ncu -i "/tmp/ncu_${kernel}_$cache.ncu-rep" > "$OUT/ncu_${kernel}_$cache.txt" 2>&1
+        ncu -i "/tmp/ncu_${kernel}_$cache.ncu-rep" --page source --csv --print-source sass 2>&1 | xz > "$OUT/ncu_${kernel}_${cache}_sass.csv.xz"
         tail -3 "$OUT/ncu_${kernel}_$cache.txt"
       done; done ;;
     bench) timeout ${BENCH_T:-420} python3 tools/bench --shapes ${BENCH:-prefill prefill-extra} --kv-dtype ${KV:-bf16,e4m3fn} \

@@ -1,7 +1,7 @@
 """One multi-token hal.paged_attention shape, called a few times (for profilers: ncu, nsys).
 
 Usage: python3 tools/prefill_once.py KERNEL CACHE [N L HEADS KV_HEADS HEAD_SIZE BLOCK]
-KERNEL: mma | wgmma (the cuda pack's launch.PREFILL_KERNEL); CACHE: a torch dtype name (bfloat16,
+KERNEL: mma | wgmma | cute (the cuda pack's launch.PREFILL_KERNEL); CACHE: a torch dtype name (bfloat16,
 float8_e4m3fn, ...). Defaults: 8 fresh prefills of 2048 tokens, 32 query heads over 8, head 128, block 16.
 """
 

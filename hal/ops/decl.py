@@ -29,6 +29,8 @@ class OpDecl:
     # scales (a float or a float32 tensor); ``out`` (if listed) is the output, allocated when None.
     per_layer: tuple[str, ...] = ()
     scale_args: tuple[str, ...] = ()
+    # optional outputs among them (``lse``): run takes one exactly when the plan was made with one
+    extra_outputs: tuple[str, ...] = ()
 
     @property
     def pack_arg(self) -> int:

@@ -18,7 +18,8 @@ NAME = "paged_attention"
 SCHEMA = ("(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale, float? k_scale, float? v_scale, Tensor? k_scale_tensor, "
           "Tensor? v_scale_tensor, Tensor? alibi_slopes, float? logits_soft_cap, int? sliding_window, "
-          "int? max_seq_len, Tensor? query_start_loc, int? max_query_len, bool causal, str? pack) -> ()")
+          "int? max_seq_len, Tensor? query_start_loc, int? max_query_len, bool causal, Tensor(b!)? lse, "
+          "str? pack) -> ()")
 FEATURES = {
     "alibi": "ALiBi slopes",
     "soft_cap": "logits soft-cap",
@@ -27,12 +28,13 @@ FEATURES = {
     "misaligned_cache": "caches whose data pointer or block, head or token stride is not a multiple of 16 bytes",
     "strided_cache": "caches that are not dense within each block (e.g. an NHD cache's permute(0, 2, 1, 3) view)",
     "varlen": "several query tokens per sequence (query_start_loc: prefill, chunked prefill, mixed batches)",
+    "lse": "each row's log-sum-exp of its logits written to lse (cascade and context-parallel merges)",
 }
 
 
 def schema_args(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, k_scale=None,
                 v_scale=None, alibi_slopes=None, logits_soft_cap=None, sliding_window=None, max_seq_len=None,
-                query_start_loc=None, max_query_len=None, causal=True, out=None, pack=None) -> tuple:
+                query_start_loc=None, max_query_len=None, causal=True, out=None, lse=None, pack=None) -> tuple:
     """The public keywords as the schema's arguments: Python numbers are checked before torch's
     schema coerces them (True -> 1), scales go to their float or tensor slot, ``out`` is allocated."""
     v.tensor(NAME, "query", query)
@@ -52,20 +54,23 @@ def schema_args(query, key_cache, value_cache, block_tables, seq_lens, *, scale=
     ks, kst = v.split_scale(NAME, "k_scale", k_scale)
     vs, vst = v.split_scale(NAME, "v_scale", v_scale)
     return (out, query, key_cache, value_cache, block_tables, seq_lens, scale, ks, vs, kst, vst, alibi_slopes,
-            logits_soft_cap, sliding_window, max_seq_len, query_start_loc, max_query_len, causal, pack)
+            logits_soft_cap, sliding_window, max_seq_len, query_start_loc, max_query_len, causal, lse, pack)
 
 
 def tensors(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_scale_tensor,
             v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc,
-            max_query_len, causal, pack) -> dict:
-    return dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                seq_lens=seq_lens, k_scale=k_scale_tensor, v_scale=v_scale_tensor, alibi_slopes=alibi_slopes,
-                query_start_loc=query_start_loc)
+            max_query_len, causal, lse, pack) -> dict:
+    t = dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+             seq_lens=seq_lens, k_scale=k_scale_tensor, v_scale=v_scale_tensor, alibi_slopes=alibi_slopes,
+             query_start_loc=query_start_loc)
+    if lse is not None:
+        t["lse"] = lse
+    return t
 
 
 def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_scale_tensor,
           v_scale_tensor, alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc, max_query_len,
-          causal, pack) -> AttentionCall:
+          causal, lse, pack) -> AttentionCall:
     """Every argument checked (errors name the argument, what was expected, what was given)."""
     op = NAME
     v.tensor(op, "query", query)
@@ -136,19 +141,25 @@ def check(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_s
     if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
         v.fail(op, "out", f"like query ({v.desc(query)})", v.desc(out))
 
+    if lse is not None:
+        v.tensor(op, "lse", lse)
+        if lse.dtype != torch.float32 or lse.shape != (total_q, h) or lse.device != query.device:
+            v.fail(op, "lse", f"None or a float32 [total_q={total_q}, num_heads={h}] tensor on {query.device} "
+                   "(any strides)", v.desc(lse))
     max_seq_len = v.context_bounds(op, seq_lens, block_tables, nb, bs, max_seq_len)  # decided once, for every pack
 
     feats = v.features(alibi_slopes, logits_soft_cap, sliding_window, ks, vs, (key_cache, value_cache))
     if v.rows_misaligned(key_cache, 16) or v.rows_misaligned(value_cache, 16):  # heads / tokens of a view too
         feats = feats | {"misaligned_cache"}
-    key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv, feats | ({"varlen"} if varlen else set()))
+    feats = feats | ({"varlen"} if varlen else set()) | ({"lse"} if lse is not None else set())
+    key = CallKey(op, dev.type, query.dtype, key_cache.dtype, d, bs, h // hkv, feats)
     return AttentionCall(
         call_key=key, target=target(), geometry=Geometry(n, h, hkv, d, bs, nb, total_q),
         out=v.unit_last(out), query=v.unit_last(query), key_cache=key_cache, value_cache=value_cache,
         block_tables=block_tables, seq_lens=seq_lens, scale=scale, k_scale=ks, v_scale=vs,
         alibi_slopes=alibi_slopes, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window,
         max_seq_len=max_seq_len, query_start_loc=query_start_loc, max_query_len=max_query_len,
-        causal=causal if varlen else True)
+        causal=causal if varlen else True, lse=lse)
 
 
 def _num_seqs(qsl) -> int:
@@ -219,5 +230,5 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
               fake=fake_checks(NAME, tensors, (("k_scale", 7, 9), ("v_scale", 8, 10))),
               result=lambda args: args[0], finish=copy_out_back, reference=reference, example=example,
-              per_layer=("query", "key_cache", "value_cache", "k_scale", "v_scale", "out"),
-              scale_args=("k_scale", "v_scale"))
+              per_layer=("query", "key_cache", "value_cache", "k_scale", "v_scale", "out", "lse"),
+              scale_args=("k_scale", "v_scale"), extra_outputs=("lse",))

@@ -1,7 +1,8 @@
 """Which of the emu pack's paths runs a call: Triton for GPU tensors when it can compile for the
 device (triton_path for decode, triton_prefill for several query tokens per sequence, triton_mla for
 MLA decode), the PyTorch paths otherwise (torch_path, torch_prefill, torch_mla); paged-attention
-caches that are not dense within each block (an NHD view) take the PyTorch paths, because the Triton
+caches that are not dense within each block (an NHD view), and calls that ask for the log-sum-exp
+(``lse``: torch_prefill writes it, for decode too), take the PyTorch paths, because the Triton
 decode kernel indexes blocks densely (the MLA kernel takes every cache's strides, so combined-cache
 views stay on Triton). Triton is imported only once a call has chosen it: a CPU install without
 triton never imports it. Every path takes the op's call record (hal.call)."""
@@ -28,6 +29,9 @@ def _module(device, *caches):
 
 def _paged_attention_path(call):
     """The function of the path that runs this paged-attention call."""
+    if call.lse is not None:  # the log-sum-exp is written by the PyTorch multi-token path (decode too)
+        from . import torch_prefill
+        return torch_prefill.paged_attention
     if call.query_start_loc is not None:  # several rows per sequence
         gpu = call.query.device.type == "cuda" and triton_usable() is None
         # triton_prefill hands pure-decode batches to triton_path, which indexes blocks densely

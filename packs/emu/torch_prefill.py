@@ -107,8 +107,9 @@ def _add_nonfinite(acc5: torch.Tensor, p5: torch.Tensor, keep5, v: torch.Tensor)
 
 def paged_attention_varlen(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
                            alibi_slopes, logits_soft_cap, sliding_window, max_seq_len, query_start_loc,
-                           max_query_len, causal) -> None:
-    """Writes ``out`` [total_q, num_heads, head_size] in place (see the module docstring)."""
+                           max_query_len, causal, lse=None) -> None:
+    """Writes ``out`` [total_q, num_heads, head_size] in place (see the module docstring), and with
+    ``lse`` (float32 [total_q, num_heads]) each row's natural-log log-sum-exp of its logits."""
     total_q, h, d = query.shape
     n = seq_lens.shape[0]
     if total_q == 0 or n == 0:
@@ -116,6 +117,8 @@ def paged_attention_varlen(out, query, key_cache, value_cache, block_tables, seq
     if scale is None:
         scale = d ** -0.5
     feats = (scale, k_scale, v_scale, alibi_slopes, logits_soft_cap, sliding_window)
+    if lse is not None:
+        lse.fill_(-math.inf)  # rows no tile reaches (none today) stay -inf
     lens = seq_lens.to("cpu", torch.int64)
     if max_query_len is not None and max_query_len <= 1 and total_q == n:
         qsl = torch.arange(n + 1)            # one row per sequence: decode, query_start_loc not read
@@ -129,16 +132,16 @@ def paged_attention_varlen(out, query, key_cache, value_cache, block_tables, seq
         bucket = ((qlen >= lo_r) & (qlen <= hi_r)).nonzero().reshape(-1)
         if bucket.numel():
             _short(out, query, key_cache, value_cache, block_tables, bucket, qsl, lens, qlen, hi_r,
-                   *feats, causal)
+                   *feats, causal, lse)
         lo_r, rq = hi_r + 1, 2 * rq
 
     for i in (qlen > _SHORT_MAX).nonzero().reshape(-1).tolist():
         _long(out, query, key_cache, value_cache, block_tables[i], int(qsl[i]), int(qlen[i]), int(lens[i]),
-              *feats, causal)
+              *feats, causal, lse)
 
 
 def _short(out, query, key_cache, value_cache, block_tables, seqs, qsl, lens, qlen, rq, scale, k_scale, v_scale,
-           alibi_slopes, logits_soft_cap, sliding_window, causal) -> None:
+           alibi_slopes, logits_soft_cap, sliding_window, causal, lse=None) -> None:
     """Sequences ``seqs`` (host int64) with 1..rq rows each, batched as torch_path batches decode:
     rows padded to ``rq`` per sequence, laid out (token, head of the group) per KV head. For rq == 1
     these are torch_path's operations on the same shapes (its bits), with a faster FP8 decode."""
@@ -210,10 +213,14 @@ def _short(out, query, key_cache, value_cache, block_tables, seqs, qsl, lens, ql
     result = result.view(ns, hkv, rq, g, d).permute(0, 2, 1, 3, 4).reshape(ns, rq, h, d)
     valid = valid_h.to(dev)
     out.index_copy_(0, rows[valid], result[valid].to(out.dtype))
+    if lse is not None:  # m + log l in logit units (natural log); -inf where no key took part
+        rl = (m + torch.log(l)).masked_fill(l == 0, -math.inf)
+        rl = rl.view(ns, hkv, rq, g).permute(0, 2, 1, 3).reshape(ns, rq, h)
+        lse.index_copy_(0, rows[valid], rl[valid])
 
 
 def _long(out, query, key_cache, value_cache, table, q0: int, ql: int, L: int, scale, k_scale, v_scale,
-          alibi_slopes, logits_soft_cap, sliding_window, causal) -> None:
+          alibi_slopes, logits_soft_cap, sliding_window, causal, lse=None) -> None:
     """One sequence's ``ql`` rows (query rows q0.., context L) in tiles against its decoded pages."""
     dev = query.device
     _, h, d = query.shape
@@ -284,23 +291,18 @@ def _long(out, query, key_cache, value_cache, table, q0: int, ql: int, L: int, s
                 mt.copy_(m_new)
     out_scale = _per_head(v_scale, hkv, dev)
     tiny = torch.finfo(torch.float32).tiny
-    for r0, r1, _, _, _, _, (_, lt, at) in tiles:
+    for r0, r1, _, _, _, _, (mt, lt, at) in tiles:
         R_ = r1 - r0
         res = at.view(1, hkv, R_ * g, d) * out_scale / lt.reshape(1, hkv, R_ * g, 1).clamp_min(tiny)
         out[q0 + r0:q0 + r1].copy_(res.view(hkv, R_, g, d).permute(1, 0, 2, 3).reshape(R_, h, d))
+        if lse is not None:  # [hkv, R_, g] -> rows r0..r1 of [total_q, h]
+            rl = (mt + torch.log(lt)).masked_fill(lt == 0, -math.inf)
+            lse[q0 + r0:q0 + r1].copy_(rl.permute(1, 0, 2).reshape(R_, h))
 
 
 def paged_attention(call) -> None:
-    """Run a validated multi-token :class:`hal.call.AttentionCall`."""
+    """Run a validated ``hal.call.AttentionCall``: several rows per sequence, or decode with ``lse``."""
     paged_attention_varlen(call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens,
                            call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap,
                            call.sliding_window, call.max_seq_len, call.query_start_loc, call.max_query_len,
-                           call.causal)
-
-
-def paged_attention(call) -> None:
-    """Run a validated ``hal.call.AttentionCall`` that has ``query_start_loc`` (the op's entry point)."""
-    paged_attention_varlen(call.out, call.query, call.key_cache, call.value_cache, call.block_tables, call.seq_lens,
-                           call.scale, call.k_scale, call.v_scale, call.alibi_slopes, call.logits_soft_cap,
-                           call.sliding_window, call.max_seq_len, call.query_start_loc, call.max_query_len,
-                           call.causal)
+                           call.causal, call.lse)
