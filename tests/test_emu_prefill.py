@@ -378,6 +378,50 @@ def test_call_record_entry_point():
         block_tables=case.block_tables, seq_lens=case.seq_lens, scale=case.query.shape[-1] ** -0.5,
         k_scale=case.k_scale, v_scale=case.v_scale, alibi_slopes=case.kwargs["alibi_slopes"],
         logits_soft_cap=case.kwargs["logits_soft_cap"], sliding_window=case.kwargs["sliding_window"],
-        max_seq_len=int(case.seq_lens.max()), query_start_loc=case.query_start_loc, max_query_len=130, causal=True)
+        max_seq_len=int(case.seq_lens.max()), query_start_loc=case.query_start_loc, max_query_len=130, causal=True,
+        lse=None)
     torch_prefill.paged_attention(call)
     assert torch.equal(out, case.run())
+
+
+@pytest.mark.parametrize("features", ["plain", "all", "window_1"])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_lse_matches_the_float64_reference(geometry, features):
+    """``lse``: each row's natural-log log-sum-exp of its logits (after the scale, soft-cap, ALiBi and
+    masks), -inf for a row with no key, through the op (decode rows included). fp32 logits of
+    magnitude < 30 accumulate ~1e-5 of error; 1e-4 absolute holds on any CPU. The output is
+    unchanged by asking for it."""
+    import hal
+
+    kw = {} if features == "plain" else FEATURES[features]
+    case = make_varlen(*GEOMETRIES[geometry], seed=31, **kw)
+    total_q, h = case.query.shape[:2]
+    lse = torch.full((h, total_q), float("nan")).t()           # poisoned, strided: every row must be written
+    args = dict(k_scale=case.k_scale, v_scale=case.v_scale, causal=case.causal, **case.kwargs)
+    out = hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                              query_start_loc=case.query_start_loc, lse=lse, **args)
+    ref = torch.empty(total_q, h, dtype=torch.float64)
+    hal_reference.paged_attention_varlen(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                         case.seq_lens, case.query_start_loc, lse=ref, **args)
+    assert torch.isfinite(ref).all()   # every row of these geometries sees at least one key
+    assert (lse.double() - ref).abs().max().item() <= 1e-4
+    assert torch.equal(out, hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                                case.seq_lens, query_start_loc=case.query_start_loc, **args))
+    if geometry == "decode":  # one row a sequence without query_start_loc: the decode call
+        lse_d = torch.full((total_q, h), float("nan"))
+        hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                            lse=lse_d, k_scale=case.k_scale, v_scale=case.v_scale, **case.kwargs)
+        assert (lse_d.double() - ref).abs().max().item() <= 1e-4
+
+
+def test_lse_of_a_row_without_keys_is_minus_infinity():
+    """An empty sequence has no rows; a decode row of length 0 has no key: out 0, lse -inf."""
+    import hal
+
+    case = make_varlen([0, 20], [0, 1], seed=3)
+    q = torch.randn(2, case.query.shape[1], case.query.shape[2]).to(torch.bfloat16)
+    lse = torch.full((2, q.shape[1]), float("nan"))
+    out = hal.paged_attention(q, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, lse=lse,
+                              k_scale=case.k_scale, v_scale=case.v_scale)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool((lse[0] == float("-inf")).all())
+    assert torch.isfinite(lse[1]).all()

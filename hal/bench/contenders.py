@@ -9,6 +9,8 @@ both (``ops``); a problem gets a row from every selected contender that serves i
 * ``hal-plan``: ``hal.plan(...)`` made once before timing, ``plan.run(...)`` timed (what an engine
   pays per layer; its host µs beside ``hal``'s is the one-shot call's validation and dispatch saved;
   ``tools/host_time`` measures that per layer with the GPU idle and with a queue of work).
+* ``compat-fa2``, ``compat-fa3``, ``compat-flashinfer``: the drop-in entry points (:mod:`hal.bench.compat`):
+  an engine's FlashAttention or FlashInfer call, served by hal.
 * ``emu-torch`` / ``emu-triton``: the emu pack's two paths called directly (no validation, no
   dispatch): ``hal.kernelpacks.emu.torch_path`` / ``.triton_path``.
 * ``torch-sdpa``, ``flashinfer-tc``, ``flashinfer-cc``: the decode baselines (:mod:`hal.bench.baselines`).
@@ -321,6 +323,12 @@ def _hal_cuda_uniform(p: Problem, opts: dict) -> Prepared:
     return _hal_cuda_kernel("MLA_SCHEDULE", "uniform", "the uniform split")(p, opts)
 
 
+def _compat(fn):
+    def setup(p, opts: dict) -> Prepared:
+        return Prepared(fn(p), None, "hal.compat")
+    return setup
+
+
 def baseline_for(op: str) -> str:
     return BASELINES.get(op, BASELINE)
 
@@ -354,6 +362,15 @@ def all_contenders() -> list[Contender]:
             out.append(Contender("hal:cuda-uniform", "hal", "hal.mla_decode(pack='cuda') with the uniform split "
                                  "of the context (planned on the host from the longest sequence) instead of the "
                                  "balanced work list", _hal_cuda_uniform, ops=frozenset({MLA})))
+    from hal.bench import compat
+    for name, (fn, what, ops) in {
+            "compat-fa2": (compat.fa2_varlen, "hal.compat.flash_attn.flash_attn_varlen_func (FA2's call, block table, "
+                           "NHD caches), 16-bit caches", BOTH),
+            "compat-fa3": (compat.fa3_kvcache, "hal.compat.flash_attn_interface.flash_attn_with_kvcache (FA3's call as "
+                           "vLLM makes it: page_table, varlen rows, k/v descales), NHD caches", BOTH),
+            "compat-flashinfer": (compat.flashinfer_wrapper, "hal.compat.flashinfer decode / prefill wrapper (plan "
+                                  "not timed, run timed), HND caches", BOTH)}.items():
+        out.append(Contender(name, "hal", what, _compat(fn), ops=ops))
     out += [
         Contender("emu-torch", "emu path", "emu pack, PyTorch path, called directly", _emu_torch, ops=EVERY_OP),
         Contender("emu-triton", "emu path", "emu pack, Triton path, called directly", _emu_triton, ops=EVERY_OP),

@@ -10,7 +10,9 @@ divided by ``layers``; the median of ``reps`` such steps. Rows:
 - ``plan.run``: ``plan.run(...)`` of a plan made once before timing (layout checks, the launch);
 - ``pack``: the selected pack's implementation called on a ready call record (no hal layer at all:
   the floor neither path can go under);
-- ``hal.plan``: making the plan itself (once per step, not per layer).
+- ``hal.plan``: making the plan itself (once per step, not per layer);
+- ``compat-fa2`` / ``compat-fa3`` / ``compat-flashinfer`` (decode): the same call through the
+  drop-in entry points (:mod:`hal.bench.compat`), each served by one plan kept across its calls.
 
 On a GPU the launches are asynchronous, so host time is what the host spends; it is measured with
 the GPU idle (synchronised before every step) and with a queue of work (the GPU held busy by a
@@ -41,7 +43,7 @@ class Row:
     op: str
     pack: str
     mode: str              # "gpu idle" | "gpu queued" | "cpu" | "cpu, pack stubbed"
-    what: str              # "one-shot" | "plan.run" | "pack" | "hal.plan"
+    what: str              # "one-shot" | "plan.run" | "pack" | "hal.plan" | a compat entry point
     host_us: float
     kernel_us: float | None = None
 
@@ -148,6 +150,21 @@ def kernel_time(fn, device: torch.device, reps: int = 20) -> float | None:
     return statistics.median(times)
 
 
+def _compat_calls(problem, op: str) -> list:
+    """(name, call) of each hal.compat entry point that serves this decode problem (hal.bench.compat)."""
+    if op != "paged_attention":
+        return []
+    from hal.bench import compat
+    from hal.bench.baselines import Skip
+    got = []
+    for name, make in compat.ENTRY_POINTS.items():
+        try:
+            got.append((name, make(problem)))
+        except Skip:
+            continue
+    return got
+
+
 @torch.no_grad()
 def measure(problem, *, layers: int = 30, reps: int = 30, pack: str | None = None, stub: bool | None = None,
             make=None) -> list[Row]:
@@ -164,16 +181,18 @@ def measure(problem, *, layers: int = 30, reps: int = 30, pack: str | None = Non
     kernel = kernel_time(calls.one_shot, device)
     rows = []
     modes = [("gpu idle", False), ("gpu queued", True)] if cuda else [("cpu", False)]
+    entry_points = _compat_calls(problem, calls.op)
     for mode, queued in modes:
         for what, fn in (("one-shot", calls.one_shot), ("plan.run", calls.run), ("pack", calls.pack_only),
-                         ("hal.plan", calls.make_plan)):
+                         ("hal.plan", calls.make_plan), *entry_points):
             t = host_per_call(fn, device, layers=layers, reps=reps, queued=queued)
             rows.append(Row(spec, kv, calls.op, calls.pack, mode, what, t * 1e6,
                             None if kernel is None else kernel * 1e6))
     if stub:
         with stubbed(calls.pack):
             s = make(problem, pack)
-            for what, fn in (("one-shot", s.one_shot), ("plan.run", s.run), ("hal.plan", s.make_plan)):
+            for what, fn in (("one-shot", s.one_shot), ("plan.run", s.run), ("hal.plan", s.make_plan),
+                             *_compat_calls(problem, s.op)):
                 t = host_per_call(fn, device, layers=layers, reps=reps)
                 rows.append(Row(spec, kv, s.op, s.pack, f"{'gpu' if cuda else 'cpu'}, pack stubbed", what, t * 1e6))
     return rows

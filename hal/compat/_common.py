@@ -76,9 +76,10 @@ def kv_scale(fn: str, arg: str, s, num_kv_heads: int):
     if s.dim() == 0:
         return s
     if s.dim() == 1 and s.shape[0] in (1, num_kv_heads):
-        return s.view(()) if s.shape[0] == 1 and num_kv_heads != 1 else s
+        return s[0] if s.shape[0] == 1 and num_kv_heads != 1 or s.stride(0) == 0 else s
     if s.dim() == 2 and s.shape[1] == num_kv_heads and (s.shape[0] == 1 or s.stride(0) == 0):
-        return s[0]
+        # one layer scale expanded over heads too (stride 0): its one value, as a 0-d view
+        return s[0, 0] if s.stride(1) == 0 or num_kv_heads == 1 else s[0]
     if s.dim() == 2 and s.shape[1] == 1 and (s.shape[0] == 1 or s.stride(0) == 0):
         return s[0, 0]
     refuse(fn, arg, f"hal takes one scale per KV head ([num_kv_heads={num_kv_heads}]) for the whole batch; a "

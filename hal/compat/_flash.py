@@ -17,6 +17,7 @@ import torch
 
 from hal import api
 from hal.compat import _common as c
+from hal.compat import _plans
 
 
 def forward_only(fn: str, dropout_p=0.0, return_attn_probs=False, deterministic=False) -> None:
@@ -65,8 +66,8 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
         key_cache, value_cache = c.nhd_view(fn, "k", k), c.nhd_view(fn, "v", v)
         if seqused_k is not None:
             seq_lens = seqused_k if seqused_k.dtype == torch.int32 else seqused_k.to(torch.int32)
-        elif cu_seqlens_k is not None:
-            seq_lens = c.lengths_from_cu(cu_seqlens_k)
+        elif cu_seqlens_k is not None:  # into a buffer kept per cu_seqlens_k: a plan's lengths stay one tensor
+            seq_lens = _plans.lengths(cu_seqlens_k)
         else:
             c.fail(fn, "seqused_k", "given (or cu_seqlens_k) with a block_table: each sequence's number of keys",
                    "None for both")
@@ -87,11 +88,20 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
     sliding, causal = c.window(fn, window_size, bool(causal))
     qsl = cu_seqlens_q if cu_seqlens_q.dtype == torch.int32 else cu_seqlens_q.to(torch.int32)
     lse = _lse_buffer(total_q, h, q.device) if return_lse else None
-    o = api.paged_attention(
-        q, key_cache, value_cache, tables, seq_lens, scale=softmax_scale, k_scale=c.kv_scale(fn, "k_descale", k_descale, hkv),
-        v_scale=c.kv_scale(fn, "v_descale", v_descale, hkv), alibi_slopes=c.alibi(fn, alibi_slopes, h),
-        logits_soft_cap=c.soft_cap(softcap), sliding_window=sliding, max_seq_len=int(max_seqlen_k),
-        query_start_loc=qsl, max_query_len=int(max_seqlen_q), causal=causal, out=out, lse=lse)
+    ks, vs = c.kv_scale(fn, "k_descale", k_descale, hkv), c.kv_scale(fn, "v_descale", v_descale, hkv)
+    slopes = c.alibi(fn, alibi_slopes, h)
+    if block_table is None:  # the one-token page table is new each call: nothing to plan
+        o = api.paged_attention(
+            q, key_cache, value_cache, tables, seq_lens, scale=softmax_scale, k_scale=ks, v_scale=vs,
+            alibi_slopes=slopes, logits_soft_cap=c.soft_cap(softcap), sliding_window=sliding,
+            max_seq_len=int(max_seqlen_k), query_start_loc=qsl, max_query_len=int(max_seqlen_q), causal=causal,
+            out=out, lse=lse)
+        return (o, lse.t()) if return_lse else o
+    # An engine calls this once a layer with one step's batch tensors: the hal plan of that batch is
+    # made on the first layer and run by the others (docs/engines.md, "Per-call cost").
+    o = _plans.run(q, key_cache, value_cache, tables, seq_lens, qsl, ks, vs, slopes, out, lse,
+                   scale=softmax_scale, logits_soft_cap=c.soft_cap(softcap), sliding_window=sliding,
+                   max_seq_len=int(max_seqlen_k), max_query_len=int(max_seqlen_q), causal=causal)
     return (o, lse.t()) if return_lse else o
 
 

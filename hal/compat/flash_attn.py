@@ -78,6 +78,7 @@ def flash_attn_with_kvcache(
     fn = "flash_attn.flash_attn_with_kvcache"
     _flash.unused(fn, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                   cache_leftpad=cache_leftpad)
-    return _flash.with_kvcache(fn, q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
-                               softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                               alibi_slopes=alibi_slopes, return_lse=return_softmax_lse)
+    res = _flash.with_kvcache(fn, q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+                              softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                              alibi_slopes=alibi_slopes, return_lse=return_softmax_lse)
+    return res

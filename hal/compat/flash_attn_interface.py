@@ -92,7 +92,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):
     """FA3's attention over a (paged) KV cache on hal: ``q`` [batch, seqlen_q, heads, d], or with
-    ``cu_seqlens_q`` [total_q, heads, d] rows per sequence. Returns ``out`` or ``(out, softmax_lse)``."""
+    ``cu_seqlens_q`` [total_q, heads, d] rows per sequence. Returns ``out`` or, as FA3 does,
+    ``(out, softmax_lse, out_accum, softmax_lse_accum)`` (the last two None: no partials leave hal)."""
     fn = "flash_attn_interface.flash_attn_with_kvcache"
     _flash.unused(fn, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
                   cache_leftpad=cache_leftpad, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens)
@@ -110,10 +111,13 @@ def flash_attn_with_kvcache(
         if isinstance(cache_seqlens, int):
             cache_seqlens = torch.full((cu_seqlens_q.shape[0] - 1,), cache_seqlens, dtype=torch.int32, device=q.device)
         capacity = page_table.shape[1] * k_cache.shape[1]
-        return _flash.varlen(fn, q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        res = _flash.varlen(fn, q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                              max_seqlen_k=capacity, seqused_k=cache_seqlens, block_table=page_table,
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                              k_descale=k_descale, v_descale=v_descale, return_lse=return_softmax_lse)
-    return _flash.with_kvcache(fn, q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
-                               softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                               k_descale=k_descale, v_descale=v_descale, return_lse=return_softmax_lse)
+    else:
+        res = _flash.with_kvcache(fn, q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=page_table,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                                  k_descale=k_descale, v_descale=v_descale, return_lse=return_softmax_lse)
+    # FA3 returns (out, softmax_lse, out_accum, softmax_lse_accum): hal's split-K partials stay inside
+    return (*res, None, None) if return_softmax_lse else res

@@ -1,4 +1,4 @@
-"""vLLM's cache writers (``vllm._custom_ops``) served by hal:
+"""vLLM's cache writers (``vllm._custom_ops`` as of vLLM 0.34.0) served by hal:
 ``from hal.compat.vllm import reshape_and_cache_flash, concat_and_cache_mla``.
 
 Same parameters. The caches are vLLM's, passed as views (nothing is copied):
@@ -57,11 +57,15 @@ def concat_and_cache_mla(
     slot_mapping: torch.Tensor,
     kv_cache_dtype: str,
     scale: torch.Tensor,
+    skip_scale: bool = False,
 ) -> None:
     """Write the latents ``kv_c`` [num_tokens, kv_lora_rank] and rotary parts ``k_pe``
     [num_tokens, rope_dim] (a 3-d [num_tokens, 1, rope_dim] as vLLM passes it too) into the MLA
-    cache ``kv_cache`` [num_blocks, block_size, kv_lora_rank + rope_dim] at ``slot_mapping``."""
+    cache ``kv_cache`` [num_blocks, block_size, kv_lora_rank + rope_dim] at ``slot_mapping``.
+    ``skip_scale=True`` (vLLM 0.34) is refused by name."""
     fn = "vllm.concat_and_cache_mla"
+    if skip_scale:
+        c.refuse(fn, "skip_scale", "hal always stores sat(x / scale); pass scale=1.0 for unscaled values", skip_scale)
     cache = c.typed_cache(fn, "kv_cache", kv_cache, kv_cache_dtype)
     if cache.dim() != 3:
         c.fail(fn, "kv_cache", "3-d [num_blocks, block_size, kv_lora_rank + rope_dim]", c.desc(kv_cache))
