@@ -332,3 +332,16 @@ def test_partial_results_after_every_problem(tmp_path):
     assert seen == [(False, 1, 2), (False, 2, 4)]
     assert result["complete"] and result["matmul"]["tflops"] > 0
     assert [r["op"] for r in result["rows"]] == ["prefill"] * 2 + ["decode"] * 2
+
+
+@pytest.mark.parametrize("spec", ["4x200x8x2x64", "3x100x8x2x64:b16:ragged"])
+def test_torch_sdpa_baseline_masks_the_last_blocks_tail(spec):
+    """Equal lengths that are not a multiple of the block size: the gathered tail slots (garbage in the
+    problem's cache) must be masked; the baseline matches the float64 reference."""
+    from hal import reference
+    from hal.bench import baselines
+
+    p = data.build(shapes.parse(spec), torch.bfloat16, torch.device("cpu"))
+    got = baselines.torch_sdpa(p)()
+    ref = reference.paged_attention(p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens, scale=p.scale)
+    assert reference.relative_l2(got, ref) <= 5e-3

@@ -43,7 +43,8 @@ def torch_sdpa(p: Problem):
     hkv, bs = p.shape.num_kv_heads, p.shape.block_size
     nblk = (p.max_seq_len + bs - 1) // bs
     tokens = nblk * bs
-    ragged = any(L != p.max_seq_len for L in p.lens)
+    # a mask wherever a gathered slot is past a sequence's end (the last block's tail too)
+    ragged = any(L != tokens for L in p.lens)
     q, kc, vc, bt, sl = p.query, p.key_cache, p.value_cache, p.block_tables, p.seq_lens
     ks, vs, scale = p.k_scale, p.v_scale, p.scale
 
