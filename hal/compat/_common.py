@@ -64,7 +64,25 @@ def nhd_view(fn: str, arg: str, cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(0, 2, 1, 3)
 
 
+_SCALE_VIEWS: dict = {}   # id(scale tensor) -> (the tensor, its view as hal takes it): layer scales persist
+
+
 def kv_scale(fn: str, arg: str, s, num_kv_heads: int):
+    """:func:`scale_view`, its view kept per scale tensor (an engine passes the same layer scales every
+    step; the tensors are a few bytes, so holding them costs nothing)."""
+    if s is None or not isinstance(s, torch.Tensor):
+        return scale_view(fn, arg, s, num_kv_heads)
+    hit = _SCALE_VIEWS.get(id(s))
+    if hit is not None and hit[0] is s and hit[2] == num_kv_heads:
+        return hit[1]
+    view = scale_view(fn, arg, s, num_kv_heads)
+    if len(_SCALE_VIEWS) >= 1024:
+        _SCALE_VIEWS.clear()
+    _SCALE_VIEWS[id(s)] = (s, view, num_kv_heads)
+    return view
+
+
+def scale_view(fn: str, arg: str, s, num_kv_heads: int):
     """A library's K or V scale as hal takes it: None, a float, a 0-d or ``[num_kv_heads]`` float32
     tensor. Also FA3's ``[batch, num_kv_heads]`` descale when every row is the same view (vLLM
     passes ``layer._k_scale.expand(batch, num_kv_heads)``, batch stride 0) or batch is 1, and a
