@@ -21,6 +21,7 @@ from hal.compat import flash_attn as fa2
 from hal.compat import flash_attn_interface as fa3
 from hal.compat import flashinfer as fi
 from hal.compat import vllm
+from hal.compat.flashinfer import csr_pages
 
 L2 = 5e-3
 LSE_ABS = 1e-3
@@ -219,22 +220,11 @@ def test_vllm_concat_and_cache_mla():
     assert torch.equal(row[r:].view(torch.uint8), fp8.encode(k_pe[1, 0].float() / 0.02, enc).view(torch.uint8))
 
 
-def _csr(table, lens, bs):
-    pages, ptr, last = [], [0], []
-    for i, n in enumerate(lens.tolist()):
-        np_ = (n + bs - 1) // bs
-        pages += table[i, :np_].tolist()
-        ptr.append(len(pages))
-        last.append(n - (np_ - 1) * bs if np_ else 0)
-    return (torch.tensor(ptr, dtype=torch.int32), torch.tensor(pages, dtype=torch.int32),
-            torch.tensor(last, dtype=torch.int32))
-
-
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_flashinfer_decode_and_prefill_wrappers(layout):
     lens, qlens, hkv, gqa, d, bs = [100, 7, 260], [100, 1, 33], 2, 4, 64, 16
     q, kc, vc, table, seq, cu = _batch(40, lens, qlens, hkv, gqa, d, bs)
-    indptr, indices, last = _csr(table, seq, bs)
+    indptr, indices, last = csr_pages(table, seq, bs)
     cache = (kc, vc) if layout == "NHD" else (kc.permute(0, 2, 1, 3).contiguous(), vc.permute(0, 2, 1, 3).contiguous())
     ws = torch.empty(1024, dtype=torch.uint8)
     pre = fi.BatchPrefillWithPagedKVCacheWrapper(ws, layout)

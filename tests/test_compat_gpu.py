@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hal import reference
+from hal.compat.flashinfer import csr_pages
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
 
@@ -47,17 +48,6 @@ def _paged(seed, lens, qlens, hkv, gqa, d, bs, dtype=torch.bfloat16):
     return q, kc, vc, table, torch.tensor(lens, dtype=torch.int32, device=DEV), cu
 
 
-def _csr(table, lens, bs):
-    pages, ptr, last = [], [0], []
-    for i, n in enumerate(lens.tolist()):
-        np_ = (n + bs - 1) // bs
-        pages += table[i, :np_].tolist()
-        ptr.append(len(pages))
-        last.append(n - (np_ - 1) * bs if np_ else 0)
-    return (torch.tensor(ptr, dtype=torch.int32, device=DEV), torch.tensor(pages, dtype=torch.int32, device=DEV),
-            torch.tensor(last, dtype=torch.int32, device=DEV))
-
-
 GRID = [  # lens, q_lens, kv heads, gqa, page, window_left, soft-cap
     ([1000, 37, 2049], [1000, 1, 64], 8, 4, 16, -1, None),
     ([512, 300], [512, 7], 8, 1, 64, -1, None),
@@ -68,7 +58,7 @@ GRID = [  # lens, q_lens, kv heads, gqa, page, window_left, soft-cap
 
 
 def _real_prefill(fi, q, kc, vc, table, lens, cu, bs, window_left, cap):
-    indptr, indices, last = _csr(table, lens, bs)
+    indptr, indices, last = csr_pages(table, lens, bs)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
     try:
@@ -98,7 +88,7 @@ def test_paged_entry_points_match_flashinfer(case):
                                                         max_seqlen_q=max(qlens), causal=True, window_size=window,
                                                         softcap=cap or 0.0)
     assert reference.relative_l2(got3, want) <= L2
-    indptr, indices, last = _csr(table, seq, bs)
+    indptr, indices, last = csr_pages(table, seq, bs)
     w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device=DEV), "NHD")
     w.plan(cu, indptr, indices, last, q.shape[1], hkv, 128, bs, causal=True, window_left=wl, logits_soft_cap=cap)
     got_fi, lse_fi = w.run(q, (kc, vc), return_lse=True)
@@ -111,7 +101,7 @@ def test_flashinfer_decode_wrapper_matches_flashinfer(case):
     from hal.compat import flashinfer
     lens, _, hkv, gqa, bs, wl, cap = GRID[case]
     q, kc, vc, table, seq, _ = _paged(20 + case, lens, [1] * len(lens), hkv, gqa, 128, bs)
-    indptr, indices, last = _csr(table, seq, bs)
+    indptr, indices, last = csr_pages(table, seq, bs)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     real = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
     try:

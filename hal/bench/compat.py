@@ -64,25 +64,11 @@ def fa3_kvcache(p):
         causal=True, k_descale=ks, v_descale=vs)
 
 
-def _csr(p):
-    bs = p.key_cache.shape[2]
-    pages, ptr, last = [], [0], []
-    tables = p.block_tables.cpu()
-    for i, n in enumerate(p.lens):
-        np_ = (n + bs - 1) // bs
-        pages += tables[i, :np_].tolist()
-        ptr.append(len(pages))
-        last.append(n - (np_ - 1) * bs if np_ else 0)
-    dev = p.query.device
-    return (torch.tensor(ptr, dtype=torch.int32), torch.tensor(pages, dtype=torch.int32, device=dev),
-            torch.tensor(last, dtype=torch.int32))
-
-
 def flashinfer_wrapper(p):
     """``hal.compat.flashinfer``'s decode wrapper (decode problems) or prefill wrapper (causal), planned
     before timing; the timed call is one ``run``."""
     from hal.compat import flashinfer
-    indptr, indices, last = _csr(p)
+    indptr, indices, last = flashinfer.csr_pages(p.block_tables, p.lens, p.key_cache.shape[2])
     h, d = p.query.shape[1], p.query.shape[2]
     hkv, bs = p.key_cache.shape[1], p.key_cache.shape[2]
     ws = torch.empty(1, dtype=torch.uint8, device=p.query.device)

@@ -28,7 +28,7 @@ from hal import planning
 from hal.compat import _common as c
 from hal.validate import ArgumentError
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper", "csr_pages"]
 
 _LOG2E = 1.0 / math.log(2.0)
 _DECODE_PLAN_LEGACY = ("pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type",
@@ -55,6 +55,22 @@ def _pages(fn: str, indptr, indices, last_page_len, page_size: int, device):
     lens = torch.where(cnt > 0, (cnt - 1) * page_size + last, 0)
     max_len = int(((counts - 1).clamp_min(0) * page_size + last_page_len.to("cpu", torch.int64)).max()) if n else 0
     return table.to(torch.int32), lens.to(torch.int32), max_len
+
+
+def csr_pages(block_tables: torch.Tensor, seq_lens, page_size: int):
+    """hal's block table and lengths as FlashInfer's CSR pages: (``indptr`` int32 [n + 1] on the host,
+    ``indices`` int32 on the table's device, ``last_page_len`` int32 [n] on the host); the inverse of
+    what ``plan`` builds (tests, the bench)."""
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    tables = block_tables.cpu()
+    pages, ptr, last = [], [0], []
+    for i, n in enumerate(lens):
+        np_ = (n + page_size - 1) // page_size
+        pages += tables[i, :np_].tolist()
+        ptr.append(len(pages))
+        last.append(n - (np_ - 1) * page_size if np_ else 0)
+    return (torch.tensor(ptr, dtype=torch.int32), torch.tensor(pages, dtype=torch.int32, device=block_tables.device),
+            torch.tensor(last, dtype=torch.int32))
 
 
 def _caches(fn: str, paged_kv_cache, kv_layout: str):
