@@ -74,7 +74,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, scale: float, ckv_scale=None, kpe_scale=None,
                query_start_loc: torch.Tensor | None = None, max_query_len: int | None = None,
                max_seq_len: int | None = None, out: torch.Tensor | None = None,
-               pack: str | None = None) -> torch.Tensor:
+               lse: torch.Tensor | None = None, pack: str | None = None) -> torch.Tensor:
     """Multi-head latent attention (DeepSeek's absorbed form) over a paged latent cache.
 
     ``q_nope`` [total_q, num_heads, R] (the query times W_UK), ``q_pe`` [total_q, num_heads, P];
@@ -84,11 +84,13 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_cache: torch.Tensor
     ``ckv_scale * softmax(s) @ c`` [total_q, num_heads, R]. ``scale`` is required (the model's softmax
     scale). Several rows per sequence (speculative decoding) through ``query_start_loc`` as in
     :func:`paged_attention`, causal. Scales: float, 0-d or [1] float32 tensor; None is 1.0.
+    ``lse``: a float32 [total_q, num_heads] tensor (any strides) for each row's log-sum-exp of its
+    logits (natural log), as :func:`paged_attention`'s (the feature ``lse``).
     """
     return _ops.call("mla_decode", q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
                      block_tables=block_tables, seq_lens=seq_lens, scale=scale, ckv_scale=ckv_scale,
                      kpe_scale=kpe_scale, query_start_loc=query_start_loc, max_query_len=max_query_len,
-                     max_seq_len=max_seq_len, out=out, pack=pack)
+                     max_seq_len=max_seq_len, out=out, lse=lse, pack=pack)
 
 
 def cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor,

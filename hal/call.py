@@ -102,6 +102,7 @@ class MLACall:
     max_seq_len: int
     query_start_loc: torch.Tensor | None = None
     max_query_len: int = 1
+    lse: torch.Tensor | None = None  # float32 [total_q, num_heads], as AttentionCall.lse
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

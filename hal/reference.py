@@ -128,14 +128,15 @@ def _latent_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tenso
 
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, query_start_loc=None, *, scale,
-               ckv_scale=None, kpe_scale=None, sequences=None) -> torch.Tensor:
+               ckv_scale=None, kpe_scale=None, sequences=None, lse=None) -> torch.Tensor:
     """float64 [total_q, num_heads, R] on the query's device: multi-head latent attention in its
     absorbed form (design.md, "MLA decode"). Every head attends to one shared latent ``c_j`` (R
     wide, also the value) and rotary part ``kpe_j`` (P wide) per token: ``s_j = (q_nope . c_j *
     ckv_scale + q_pe . kpe_j * kpe_scale) * scale``, ``out = ckv_scale * softmax(s) @ c``. Row t of
     a sequence's q_len rows (``query_start_loc``; default one row per sequence) sits at position
     ``L - q_len + t`` and sees keys ``j <=`` it. Reads only the pages each sequence uses; rows of
-    sequences not in ``sequences``, and of empty sequences, stay zero."""
+    sequences not in ``sequences``, and of empty sequences, stay zero. ``lse``: a float64
+    [total_q, num_heads] tensor for each row's log-sum-exp of its logits (natural log; -inf keyless)."""
     dev = q_nope.device
     qn, qp = q_nope.detach().to(torch.float64), q_pe.detach().to(torch.float64)
     bs = ckv_cache.shape[1]
@@ -145,6 +146,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, query
     n = lens.numel()
     qsl = torch.arange(n + 1) if query_start_loc is None else query_start_loc.cpu().to(torch.int64)
     out = torch.zeros(qn.shape, dtype=torch.float64, device=dev)
+    if lse is not None:
+        lse.fill_(float("-inf"))
     for i in (range(n) if sequences is None else sequences):
         length, q0, q1 = int(lens[i]), int(qsl[i]), int(qsl[i + 1])
         if q1 == q0 or length == 0:
@@ -156,5 +159,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, query
         rows = torch.arange(length - (q1 - q0), length, device=dev)           # the rows' positions
         logits = (torch.einsum("rhc,tc->rht", qn[q0:q1], c) + torch.einsum("rhp,tp->rht", qp[q0:q1], kpe)) * scale
         logits = logits.masked_fill((pos[None, :] > rows[:, None])[:, None, :], float("-inf"))
+        if lse is not None:
+            lse[q0:q1] = torch.logsumexp(logits, dim=-1).to(lse.dtype)
         out[q0:q1] = torch.einsum("rht,tc->rhc", torch.softmax(logits, dim=-1), c)
     return out

@@ -330,3 +330,36 @@ def test_more_query_rows_than_keys_is_a_named_error():
     with pytest.raises(ArgumentError, match="query_start_loc"):
         fa2.flash_attn_varlen_func(q5, kc, vc, cu5, torch.tensor([0, 3, 23], dtype=torch.int32), 5, 20, causal=True,
                                    block_table=table)
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (1, torch.float8_e4m3fn)])
+def test_flash_mla_dense_decode(rows, dtype):
+    """FlashMLA's dense decode (sgl-flash-mla 1.0.0's call): q [b, s_q, h, 576] over one [blocks, 64, 1, 576]
+    cache whose first 512 columns are also the value; the metadata object keeps the plan for the next
+    layer. Against hal's float64 reference over the same two views."""
+    from hal.compat import flash_mla
+    g = torch.Generator().manual_seed(rows)
+    r, p, bs, h, lens = 512, 64, 64, 16, [150, 65, 128]
+    nb = 12
+    cache = torch.randn(nb, bs, 1, r + p, generator=g).to(dtype)
+    table = torch.randperm(nb, generator=g)[:9].to(torch.int32).view(3, 3)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(3, rows, h, r + p, generator=g).to(torch.bfloat16)
+    meta, splits = flash_mla.get_mla_metadata(seq, rows * h, 1)
+    assert splits is None and not meta.have_initialized
+    ds = torch.tensor([0.05]) if dtype != torch.bfloat16 else None
+    out, lse = flash_mla.flash_mla_with_kvcache(q, cache, table, seq, r, meta, causal=rows > 1, descale_k=ds)
+    assert meta.have_initialized and out.shape == (3, rows, h, r) and lse.shape == (3, h, rows)
+    qsl = torch.arange(0, 3 * rows + 1, rows, dtype=torch.int32)
+    ref_lse = torch.empty(3 * rows, h, dtype=torch.float64)
+    s = None if ds is None else 0.05
+    ref = reference.mla_decode(q[..., :r].reshape(-1, h, r), q[..., r:].reshape(-1, h, p), cache[:, :, 0, :r],
+                               cache[:, :, 0, r:], table, seq, qsl, scale=(r + p) ** -0.5, ckv_scale=s, kpe_scale=s,
+                               lse=ref_lse)
+    assert reference.relative_l2(out.reshape(-1, h, r), ref) <= L2
+    assert (lse.permute(0, 2, 1).reshape(-1, h).double() - ref_lse).abs().max().item() <= LSE_ABS
+    plan = meta.plan
+    again, _ = flash_mla.flash_mla_with_kvcache(q, cache, table, seq, r, meta, causal=rows > 1, descale_k=ds)
+    assert meta.plan is plan and torch.equal(again, out)
+    with pytest.raises(NotServedError, match="indices"):
+        flash_mla.flash_mla_with_kvcache(q, cache, table, seq, r, meta, indices=torch.zeros(3, rows, 8, dtype=torch.int32))

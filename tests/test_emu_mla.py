@@ -192,3 +192,30 @@ def test_cache_mla_bytes_equal_encode_bytes(ckv_dtype, combined):
             enc = fp8.encode_bytes(v, cache.dtype) if cache.dtype in FP8 else v.to(cache.dtype).view(torch.uint8)
             want[slot // bs, slot % bs] = enc
         assert torch.equal(cache.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_mla_lse_matches_the_float64_reference(rows):
+    """``lse`` of hal.mla_decode: each row's natural-log log-sum-exp of its logits (emu's PyTorch path,
+    also for GPU tensors); fp32 logits of magnitude < 40: 1e-4 absolute. The output is unchanged."""
+    import hal
+    from hal import reference as hal_reference
+
+    g = torch.Generator().manual_seed(rows)
+    r, p, bs, lens, h = 512, 64, 16, [40, 17, 64], 16
+    nb = 14
+    ckv = torch.randn(nb, bs, r, generator=g).to(torch.float8_e4m3fn)
+    kpe = torch.randn(nb, bs, p, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(nb, generator=g)[:3 * 4].to(torch.int32).view(3, 4)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.arange(0, 3 * rows + 1, rows, dtype=torch.int32)
+    qn = torch.randn(3 * rows, h, r, generator=g).to(torch.bfloat16)
+    qp = torch.randn(3 * rows, h, p, generator=g).to(torch.bfloat16)
+    kw = dict(scale=(r + p) ** -0.5, ckv_scale=0.05, kpe_scale=1.0, query_start_loc=qsl, max_query_len=rows)
+    lse = torch.full((h, 3 * rows), float("nan")).t()
+    out = hal.mla_decode(qn, qp, ckv, kpe, tables, seq, lse=lse, **kw)
+    ref = torch.empty(3 * rows, h, dtype=torch.float64)
+    hal_reference.mla_decode(qn, qp, ckv, kpe, tables, seq, qsl, scale=kw["scale"], ckv_scale=0.05, kpe_scale=1.0,
+                             lse=ref)
+    assert torch.isfinite(ref).all() and (lse.double() - ref).abs().max().item() <= 1e-4
+    assert torch.equal(out, hal.mla_decode(qn, qp, ckv, kpe, tables, seq, **kw))

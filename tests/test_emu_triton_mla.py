@@ -388,7 +388,7 @@ def test_routing_sends_cuda_tensors_to_triton_mla(monkeypatch):
     monkeypatch.setattr(torch_mla, "mla_decode", lambda *a: ran.append("torch"))
     fake = types.SimpleNamespace(q_nope=types.SimpleNamespace(device=torch.device("cuda")), **dict.fromkeys(
         ("out", "q_pe", "ckv_cache", "kpe_cache", "block_tables", "seq_lens", "scale", "ckv_scale", "kpe_scale",
-         "max_seq_len", "query_start_loc")))
+         "max_seq_len", "query_start_loc", "lse")))
     monkeypatch.setattr(routing, "triton_usable", lambda: None)
     routing.mla_decode(fake)
     monkeypatch.setattr(routing, "triton_usable", lambda: "no GPU visible to torch")

@@ -8,7 +8,7 @@ Usage:
                                              (default .whl) that are present; exit 1 on a difference
   tools/compat_signatures.py --write [DIR]   re-record the entries whose artifact is in DIR
 Artifacts (pip download --no-deps ...): flash_attn-2.8.3.post2.tar.gz (--no-binary :all:),
-fa3_fwd-0.0.3-*.whl, flashinfer_python-0.7.4-*.whl, vllm-0.34.0-*.whl (239 MB: keep it out of .whl,
+fa3_fwd-0.0.3-*.whl, flashinfer_python-0.7.4-*.whl, sgl_flash_mla-1.0.0-*.whl, vllm-0.34.0-*.whl (239 MB: keep it out of .whl,
 which travels to the GPU machine, and pass its folder).
 """
 
@@ -37,6 +37,8 @@ SOURCES = [
 ]
 SOURCES.append(("vllm-0.34.0-*.whl", "vllm/vllm_flash_attn/flash_attn_interface.py", "flash_attn_varlen_func",
                 "hal.compat.vllm_flash_attn:flash_attn_varlen_func"))
+for _fn in ("get_mla_metadata", "flash_mla_with_kvcache"):
+    SOURCES.append(("sgl_flash_mla-1.0.0-*.whl", "flash_mla/flash_mla_interface.py", _fn, f"hal.compat.flash_mla:{_fn}"))
 for _fn in ("reshape_and_cache_flash", "concat_and_cache_mla"):
     SOURCES.append(("vllm-0.34.0-*.whl", "vllm/_custom_ops.py", _fn, f"hal.compat.vllm:{_fn}"))
 for _cls, _file in (("BatchDecodeWithPagedKVCacheWrapper", "flashinfer/decode.py"),

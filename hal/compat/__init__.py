@@ -6,8 +6,10 @@ parameters, defaults and results, served by ``hal.paged_attention`` / ``hal.cach
 - :mod:`hal.compat.flash_attn`: FlashAttention-2 (``flash_attn_varlen_func``, ``flash_attn_with_kvcache``)
 - :mod:`hal.compat.flash_attn_interface`: FlashAttention-3 as the ``fa3-fwd`` wheel ships it
 - :mod:`hal.compat.vllm`: vLLM's cache writers (``reshape_and_cache_flash``, ``concat_and_cache_mla``)
+- :mod:`hal.compat.vllm_flash_attn`: vLLM's ``flash_attn_varlen_func`` (its FlashAttention backend's call)
 - :mod:`hal.compat.flashinfer`: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` /
   ``BatchPrefillWithPagedKVCacheWrapper``
+- :mod:`hal.compat.flash_mla`: FlashMLA's ``get_mla_metadata`` / ``flash_mla_with_kvcache`` (sgl-flash-mla)
 
 What hal does not serve (dropout, attention probabilities, rotary inside the call, ...) raises
 :class:`NotServedError` naming the argument: never a silent difference. The recorded signatures

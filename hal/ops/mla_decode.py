@@ -24,12 +24,13 @@ NAME = "mla_decode"
 SCHEMA = ("(Tensor(a!) out, Tensor q_nope, Tensor q_pe, Tensor ckv_cache, Tensor kpe_cache, Tensor block_tables, "
           "Tensor seq_lens, float scale, float? ckv_scale, float? kpe_scale, Tensor? ckv_scale_tensor, "
           "Tensor? kpe_scale_tensor, Tensor? query_start_loc, int? max_query_len, int? max_seq_len, "
-          "str? pack) -> ()")
+          "Tensor(b!)? lse, str? pack) -> ()")
 FEATURES = {
     "varlen": "several query tokens per sequence (query_start_loc: speculative decoding), causal",
     "strided_cache": "latent or rotary caches whose tokens are not dense (views into one [num_blocks, "
                      "block_size, R + P] allocation)",
     "fp8_rope": "an FP8 rotary cache (kpe_cache); 16-bit is recommended",
+    "lse": "each row's log-sum-exp of its logits written to lse (merges of partial results)",
     "misaligned_cache": "latent or rotary caches whose data pointer, block or token stride is not a multiple "
                         "of 16 bytes (latent) / 8 bytes (rotary part): the native kernels' vector loads",
 }
@@ -38,7 +39,7 @@ CACHE_DTYPES = frozenset(v.QUERY_DTYPES) | fp8.FP8_DTYPES
 
 def schema_args(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, *, scale, ckv_scale=None,
                 kpe_scale=None, query_start_loc=None, max_query_len=None, max_seq_len=None, out=None,
-                pack=None) -> tuple:
+                lse=None, pack=None) -> tuple:
     v.tensor(NAME, "q_nope", q_nope)
     scale = v.real(NAME, "scale", scale, "a finite float > 0 (the softmax scale; MLA has no default)")
     v.integer(NAME, "max_seq_len", max_seq_len, 0, "read from seq_lens")
@@ -48,14 +49,17 @@ def schema_args(q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, *, s
     cs, cst = v.split_scale(NAME, "ckv_scale", ckv_scale)
     ps, pst = v.split_scale(NAME, "kpe_scale", kpe_scale)
     return (out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale, cs, ps, cst, pst,
-            query_start_loc, max_query_len, max_seq_len, pack)
+            query_start_loc, max_query_len, max_seq_len, lse, pack)
 
 
 def tensors(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale, ckv_scale, kpe_scale,
-            ckv_scale_tensor, kpe_scale_tensor, query_start_loc, max_query_len, max_seq_len, pack) -> dict:
-    return dict(out=out, q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
-                block_tables=block_tables, seq_lens=seq_lens, ckv_scale=ckv_scale_tensor,
-                kpe_scale=kpe_scale_tensor, query_start_loc=query_start_loc)
+            ckv_scale_tensor, kpe_scale_tensor, query_start_loc, max_query_len, max_seq_len, lse, pack) -> dict:
+    t = dict(out=out, q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv_cache, kpe_cache=kpe_cache,
+             block_tables=block_tables, seq_lens=seq_lens, ckv_scale=ckv_scale_tensor,
+             kpe_scale=kpe_scale_tensor, query_start_loc=query_start_loc)
+    if lse is not None:
+        t["lse"] = lse
+    return t
 
 
 def _cache(op, name, c, width_name):
@@ -85,7 +89,7 @@ def latent_caches(op, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_tens
 
 
 def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale, ckv_scale, kpe_scale,
-          ckv_scale_tensor, kpe_scale_tensor, query_start_loc, max_query_len, max_seq_len, pack) -> MLACall:
+          ckv_scale_tensor, kpe_scale_tensor, query_start_loc, max_query_len, max_seq_len, lse, pack) -> MLACall:
     """Every argument checked (errors name the argument, what was expected, what was given)."""
     op = NAME
     nb, bs, r, p, dev, cs, ps = latent_caches(op, ckv_cache, kpe_cache, ckv_scale, kpe_scale, ckv_scale_tensor,
@@ -134,6 +138,11 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
     v.tensor(op, "out", out)
     if out.shape != q_nope.shape or out.dtype != q_nope.dtype or out.device != q_nope.device:
         v.fail(op, "out", f"like q_nope ({v.desc(q_nope)})", v.desc(out))
+    if lse is not None:
+        v.tensor(op, "lse", lse)
+        if lse.dtype != torch.float32 or lse.shape != q_nope.shape[:2] or lse.device != q_nope.device:
+            v.fail(op, "lse", f"None or a float32 [total_q, num_heads] = {list(q_nope.shape[:2])} tensor on "
+                   f"{q_nope.device} (any strides)", v.desc(lse))
 
     max_seq_len = v.context_bounds(op, seq_lens, block_tables, nb, bs, max_seq_len)
     if varlen:
@@ -142,6 +151,8 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
         max_query_len = 1
 
     feats = {"varlen"} if varlen else set()
+    if lse is not None:
+        feats.add("lse")
     if not (ckv_cache.is_contiguous() and kpe_cache.is_contiguous()):
         feats.add("strided_cache")
     if fp8.is_fp8(kpe_cache.dtype):
@@ -153,7 +164,7 @@ def check(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale
                    out=v.unit_last(out), q_nope=v.unit_last(q_nope), q_pe=v.unit_last(q_pe), ckv_cache=ckv_cache,
                    kpe_cache=kpe_cache, block_tables=block_tables, seq_lens=seq_lens, scale=scale, ckv_scale=cs,
                    kpe_scale=ps, max_seq_len=max_seq_len, query_start_loc=query_start_loc,
-                   max_query_len=max_query_len)
+                   max_query_len=max_query_len, lse=lse)
 
 
 def reference(call: MLACall) -> torch.Tensor:
@@ -194,5 +205,5 @@ def example(device: str, cache_dtype: torch.dtype) -> dict:
 DECL = OpDecl(name=NAME, schema=SCHEMA, features=FEATURES, schema_args=schema_args, check=check, tensors=tensors,
               fake=fake_checks(NAME, tensors, (("ckv_scale", 8, 10), ("kpe_scale", 9, 11))),
               result=lambda args: args[0], finish=copy_out_back, reference=reference, example=example,
-              per_layer=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "ckv_scale", "kpe_scale", "out"),
-              scale_args=("ckv_scale", "kpe_scale"))
+              per_layer=("q_nope", "q_pe", "ckv_cache", "kpe_cache", "ckv_scale", "kpe_scale", "out", "lse"),
+              scale_args=("ckv_scale", "kpe_scale"), extra_outputs=("lse",))
