@@ -158,3 +158,32 @@ def test_fp8_caches_through_vllm_entry_points_match_the_float64_reference(case, 
                                             k_scale=0.02, v_scale=0.03, logits_soft_cap=cap,
                                             sliding_window=wl + 1 if wl >= 0 else None)
     assert reference.relative_l2(got, want) <= L2
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_flash_mla_matches_flashmla(rows):
+    """FlashMLA's dense decode (sgl-flash-mla 1.0.0, legacy sm_90 kernels, page 64, bf16) and
+    hal.compat.flash_mla with the same arguments; the lse too (natural log both)."""
+    fm = _lib("flash_mla")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's dense kernels are sm_90 only")
+    from hal.compat import flash_mla
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    r, p, bs, h, lens = 512, 64, 64, 128, [4096, 777, 65, 2000]
+    per = [(n + bs - 1) // bs for n in lens]
+    nb = sum(per) + 3
+    cache = torch.randn(nb, bs, 1, r + p, device=DEV, generator=g).to(torch.bfloat16)
+    table = torch.zeros(len(lens), max(per), dtype=torch.int32, device=DEV)
+    perm, k = torch.randperm(nb, device=DEV, generator=g).to(torch.int32), 0
+    for i, n in enumerate(per):
+        table[i, :n] = perm[k:k + n]
+        k += n
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), rows, h, r + p, device=DEV, generator=g).to(torch.bfloat16)
+    meta, _ = fm.get_mla_metadata()
+    want, want_lse = fm.flash_mla_with_kvcache(q, cache, table, seq, r, meta, causal=rows > 1, use_legacy=True)
+    ours, _ = flash_mla.get_mla_metadata()
+    with pytest.warns(Warning):  # the lse: served by the emu pack today, with the reason
+        got, lse = flash_mla.flash_mla_with_kvcache(q, cache, table, seq, r, ours, causal=rows > 1, use_legacy=True)
+    assert reference.relative_l2(got, want) <= L2
+    assert (lse - want_lse).abs().max().item() <= 1e-2
