@@ -58,14 +58,14 @@ cache_kv.prepare = lambda call: record_runner(_module(call.key.device, call.key_
 
 
 def mla_decode(call) -> None:
-    if call.q_nope.device.type == "cuda" and triton_usable() is None:
+    if call.q_nope.device.type == "cuda" and triton_usable() is None and call.lse is None:
         from . import triton_mla  # imports triton: only where triton is usable
         triton_mla.mla_decode(call)
         return
     from . import torch_mla
     torch_mla.mla_decode(call.out, call.q_nope, call.q_pe, call.ckv_cache, call.kpe_cache, call.block_tables,
                          call.seq_lens, call.scale, call.ckv_scale, call.kpe_scale, call.max_seq_len,
-                         call.query_start_loc)
+                         call.query_start_loc, call.lse)
 
 
 def cache_mla(call) -> None:

@@ -51,12 +51,15 @@ def row_geometry(seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None, t
 
 
 def mla_decode(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, scale, ckv_scale, kpe_scale,
-               max_seq_len: int, query_start_loc=None) -> None:
-    """Writes ``out`` [total_q, num_heads, R] (see the module docstring). ``max_seq_len``: a host
+               max_seq_len: int, query_start_loc=None, lse=None) -> None:
+    """Writes ``out`` [total_q, num_heads, R] (see the module docstring), and with ``lse`` (float32
+    [total_q, num_heads]) each row's natural-log log-sum-exp of its logits. ``max_seq_len``: a host
     int >= every sequence's length."""
     total_q, h, r = q_nope.shape
     if total_q == 0:
         return
+    if lse is not None:
+        lse.fill_(-math.inf)
     dev = q_nope.device
     bs = ckv_cache.shape[1]
     seq, lens = row_geometry(seq_lens, query_start_loc, total_q)
@@ -95,6 +98,8 @@ def mla_decode(out, q_nope, q_pe, ckv_cache, kpe_cache, block_tables, seq_lens, 
     result = acc * cs / l.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     # Only an empty row gives zeros; NaN in a query or in a latent that is read stays NaN.
     out.copy_(result.masked_fill((lens == 0)[:, None, None], 0.0))
+    if lse is not None:  # m + log l in logit units; -inf for a row with no key
+        lse.copy_((m + torch.log(l)).masked_fill(l == 0, -math.inf))
 
 
 def cache_mla(kv_c, k_pe, ckv_cache, kpe_cache, slot_mapping, ckv_scale, kpe_scale) -> None:
