@@ -96,7 +96,7 @@ def test_decode_run_equals_the_one_shot_call_layer_by_layer(name, kw, scale_form
     q0, kc0, vc0, ks0, vs0 = layers[0]
     p = hal.plan("paged_attention", q0, kc0, vc0, case.block_tables, case.seq_lens, k_scale=ks0, v_scale=vs0,
                  max_seq_len=60, **extra)
-    assert p.pack == "emu" and p.per_layer == ("query", "key_cache", "value_cache", "k_scale", "v_scale", "out")
+    assert p.pack == "emu" and p.per_layer == ("query", "key_cache", "value_cache", "k_scale", "v_scale", "out", "lse")
     for q, kc, vc, ks, vs in layers:
         want = hal.paged_attention(q, kc, vc, case.block_tables, case.seq_lens, k_scale=ks, v_scale=vs,
                                    max_seq_len=60, **extra)
