@@ -66,7 +66,13 @@ def record_runner(impl: Callable, call) -> Callable[[dict], None]:
         d.update(fields)
         impl(rec)
     run.__name__ = f"run_{getattr(impl, '__name__', 'impl')}"
+    run.planned_fields = base  # Plan swaps the per-layer tensors in it for stand-ins (_stand_in)
     return run
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's layout without its memory (the meta device), for what a plan keeps of a layer."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _layout(t: torch.Tensor, scale: bool = False) -> tuple:
@@ -135,6 +141,17 @@ class Plan:
             raw = None
         self._raw = runner.raw if raw is not None else None
         self.run = types.MethodType(_run_function(op, tuple(kinds), gpu, raw), self)
+        # A plan keeps none of the tensors of the layer it was made over (every run gives its own), so
+        # they are freed when their owner drops them: an engine's KV cache, while hal.compat keeps plans.
+        stand_ins = {n: _stand_in(v) for n in decl.per_layer if isinstance(v := getattr(call, n), torch.Tensor)}
+        light = object.__new__(type(call))
+        light.__dict__.update(call.__dict__)
+        light.__dict__.update(stand_ins)
+        self.call = light
+        self._public = {k: stand_ins.get(k, v) for k, v in public.items()}
+        base = getattr(runner, "planned_fields", None)
+        if base is not None:
+            base.update((n, t) for n, t in stand_ins.items() if n in base)
 
     def __repr__(self) -> str:
         return f"<hal plan of {self.op} on pack {self.pack}: {self.call.call_key.describe()}>"

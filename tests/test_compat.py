@@ -303,6 +303,75 @@ def test_one_plan_serves_the_layers_of_a_batch_and_sees_values_written_in_place(
     assert len(_plans._cache) == 2
 
 
+def test_the_fast_path_serves_each_layer_its_own_cache_and_sees_values_written_in_place():
+    """After a batch's first call, calls with the same batch tensors take the kept plan and kept cache
+    views (hal.compat._flash.varlen's fast path): each layer's own cache is read, lengths and tables
+    written in place are seen, and a layer laid out otherwise (another query dtype) is still served."""
+    from hal.compat import _common, _plans, vllm_flash_attn
+
+    _plans.clear()
+    lens, qlens, hkv, gqa, d, bs = [100, 37, 60], [5, 1, 60], 2, 4, 64, 16
+    q, kc, vc, table, seq, cu = _batch(51, lens, qlens, hkv, gqa, d, bs)
+    layers = [(kc, vc)] + [tuple(torch.randn_like(x, dtype=torch.float32).to(x.dtype) for x in (kc, vc))
+                           for _ in range(2)]
+
+    def call(k, v, qq=q):
+        return vllm_flash_attn.flash_attn_varlen_func(qq, k, v, max(qlens), cu, 112, seqused_k=seq, causal=True,
+                                                      block_table=table)
+    for _ in range(3):
+        for k, v in layers:
+            got = call(k, v)
+            ref, _ = _ref(q, k, v, table, seq, cu)
+            assert reference.relative_l2(got, ref) <= L2
+    assert len(_plans._fast) == 1 and len(_plans._cache) == 1
+    assert all(_common._CACHE_VIEWS[id(x)][2] is not None for kv in layers for x in kv)
+    seq.copy_(torch.tensor([90, 37, 64], dtype=torch.int32))              # in place, within the bound
+    table.copy_(table.flip(1))
+    for k, v in layers:
+        ref, _ = _ref(q, k, v, table, seq, cu)
+        assert reference.relative_l2(call(k, v), ref) <= L2
+    q16 = q.to(torch.float16)                                            # another layout: planned anew
+    kf, vf = (x.to(torch.float16) for x in layers[1])
+    ref, _ = _ref(q16, kf, vf, table, seq, cu)
+    assert reference.relative_l2(call(kf, vf, q16), ref) <= L2
+
+
+def test_a_converted_block_table_is_not_kept_so_values_written_into_it_are_seen():
+    """An int64 block table is converted per call: a plan over the copy would not see values written
+    into the caller's table later, so such a call never takes the fast path."""
+    from hal.compat import _plans, vllm_flash_attn
+
+    _plans.clear()
+    q, kc, vc, table, seq, cu = _batch(52, [80, 33], [1, 1], 2, 2, 64, 16)
+    t64 = table.to(torch.int64)
+    for _ in range(2):
+        vllm_flash_attn.flash_attn_varlen_func(q, kc, vc, 1, cu, 80, seqused_k=seq, causal=True, block_table=t64)
+    assert len(_plans._fast) == 0
+    t64.copy_(t64.flip(1))
+    got = vllm_flash_attn.flash_attn_varlen_func(q, kc, vc, 1, cu, 80, seqused_k=seq, causal=True, block_table=t64)
+    ref, _ = _ref(q, kc, vc, t64.to(torch.int32), seq, cu)
+    assert reference.relative_l2(got, ref) <= L2
+
+
+def test_a_kept_cache_view_does_not_keep_the_cache_alive():
+    """The kept NHD views are tensors over the cache's storage, dropped when the engine drops the cache
+    (a weakref), so no KV cache stays allocated because hal.compat once served it."""
+    import gc
+    import weakref
+
+    from hal.compat import _common, _plans, vllm_flash_attn
+
+    _plans.clear()
+    q, kc, vc, table, seq, cu = _batch(53, [40, 20], [1, 1], 2, 2, 64, 16)
+    for _ in range(3):
+        vllm_flash_attn.flash_attn_varlen_func(q, kc, vc, 1, cu, 48, seqused_k=seq, causal=True, block_table=table)
+    key, alive = id(kc), weakref.ref(kc)
+    assert _common._CACHE_VIEWS[key][2] is not None
+    del kc
+    gc.collect()
+    assert alive() is None and key not in _common._CACHE_VIEWS
+
+
 @pytest.mark.parametrize("case", range(len(GRID)))
 def test_vllm_flash_attn_varlen_as_vllms_backend_calls_it(case):
     """vLLM's FlashAttention backend: block_table + seqused_k, out given (poisoned), the lse asked for."""

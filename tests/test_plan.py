@@ -527,7 +527,12 @@ def test_plan_run_gives_a_raw_runner_each_pointer_and_scale(scales):
     made = hal.plan("paged_attention", q0, kc0, vc0, case.block_tables, case.seq_lens, k_scale=ks0, v_scale=vs0,
                     max_seq_len=40)
     runner = _RawRunner()
-    plan = planning.Plan("paged_attention", made.call, registry.by_name(made.pack), runner, made._public, False)
+    # the planned record again (a plan keeps stand-ins of its layer's tensors, not the tensors)
+    record = hal.ops.prepare("paged_attention", query=q0, key_cache=kc0, value_cache=vc0,
+                             block_tables=case.block_tables, seq_lens=case.seq_lens, k_scale=ks0, v_scale=vs0,
+                             max_seq_len=40)
+    public = {**made._public, **{n: getattr(record, n) for n in made.per_layer}}
+    plan = planning.Plan("paged_attention", record, registry.by_name(made.pack), runner, public, False)
     q, kc, vc, ks, vs = layers[1]
     out = torch.empty_like(q)
     assert plan.run(q, kc, vc, k_scale=ks, v_scale=vs, out=out) is out
@@ -1061,3 +1066,23 @@ def test_gpu_runner_graph_decode_generates_the_eager_tokens(monkeypatch):
     assert got == want
     assert len(hidden["graph"]) == len(hidden["static"]) > 3
     assert all(same_bits(a, b) for a, b in zip(hidden["graph"], hidden["static"]))
+
+
+def test_a_plan_keeps_none_of_its_layers_tensors_alive():
+    """A plan holds layouts of the layer it was made over, not its tensors: a cache dropped by its
+    owner is freed while the plan lives (hal.compat keeps plans across an engine's calls), and the
+    plan still runs the next layer."""
+    import gc
+    import weakref
+
+    case = make_case(seq_lens=[40, 9], num_heads=8, num_kv_heads=2, head_size=64, garbage=False)
+    kc, vc = case.key_cache.clone(), case.value_cache.clone()
+    plan = hal.plan("paged_attention", case.query, kc, vc, case.block_tables, case.seq_lens, max_seq_len=40)
+    refs = [weakref.ref(t) for t in (kc, vc)]
+    del kc, vc
+    gc.collect()
+    assert all(r() is None for r in refs)
+    got = plan.run(case.query, case.key_cache, case.value_cache)
+    want = hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                               max_seq_len=40)
+    assert torch.equal(got, want)

@@ -18,6 +18,7 @@ import torch
 from hal import api
 from hal.compat import _common as c
 from hal.compat import _plans
+from hal.validate import ArgumentError
 
 
 def forward_only(fn: str, dropout_p=0.0, return_attn_probs=False, deterministic=False) -> None:
@@ -56,6 +57,26 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
     through ``block_table`` (``seqused_k`` keys, else ``cu_seqlens_k``'s lengths), or without a block
     table the rows ``cu_seqlens_k[i] ..`` of a dense ``k``/``v`` [total_k, kv_heads, d] (viewed as
     pages of one token). Returns ``out`` or ``(out, softmax_lse)``."""
+    key = None
+    if block_table is not None:
+        # The fast path: a call with the batch arguments of an earlier served call runs that call's plan
+        # (plan.run checks this layer's q, caches and out, and refuses what differs: then the full path)
+        key = (fn, id(block_table), id(seqused_k), id(cu_seqlens_k), id(cu_seqlens_q), id(alibi_slopes),
+               id(k_descale), id(v_descale), max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+               return_lse)
+        hit = _plans.recall(key)
+        if hit is not None and k.dim() == 4 and v.dim() == 4:
+            plan, ks, vs, lengths_of = hit
+            if lengths_of is not None:
+                _plans.lengths(lengths_of)
+            lse = _lse_buffer(q.shape[0], q.shape[1], q.device) if return_lse else None
+            try:
+                o = plan.run(q, c.kept_nhd_view(fn, "k", k), c.kept_nhd_view(fn, "v", v), k_scale=ks, v_scale=vs,
+                             out=out, lse=lse)
+            except ArgumentError:
+                pass
+            else:
+                return (o, lse.t()) if return_lse else o
     for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q)):
         if not isinstance(t, torch.Tensor):
             c.fail(fn, name, "a torch.Tensor", c.desc(t))
@@ -63,7 +84,7 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
         c.fail(fn, "q", "3-d [total_q, num_heads, head_size]", c.desc(q))
     total_q, h = q.shape[0], q.shape[1]
     if block_table is not None:
-        key_cache, value_cache = c.nhd_view(fn, "k", k), c.nhd_view(fn, "v", v)
+        key_cache, value_cache = c.kept_nhd_view(fn, "k", k), c.kept_nhd_view(fn, "v", v)
         if seqused_k is not None:
             seq_lens = seqused_k if seqused_k.dtype == torch.int32 else seqused_k.to(torch.int32)
         elif cu_seqlens_k is not None:  # into a buffer kept per cu_seqlens_k: a plan's lengths stay one tensor
@@ -99,9 +120,15 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
         return (o, lse.t()) if return_lse else o
     # An engine calls this once a layer with one step's batch tensors: the hal plan of that batch is
     # made on the first layer and run by the others (docs/engines.md, "Per-call cost").
-    o = _plans.run(q, key_cache, value_cache, tables, seq_lens, qsl, ks, vs, slopes, out, lse,
-                   scale=softmax_scale, logits_soft_cap=c.soft_cap(softcap), sliding_window=sliding,
-                   max_seq_len=int(max_seqlen_k), max_query_len=int(max_seqlen_q), causal=causal)
+    o, plan = _plans.run(q, key_cache, value_cache, tables, seq_lens, qsl, ks, vs, slopes, out, lse,
+                         scale=softmax_scale, logits_soft_cap=c.soft_cap(softcap), sliding_window=sliding,
+                         max_seq_len=int(max_seqlen_k), max_query_len=int(max_seqlen_q), causal=causal)
+    # Kept for the fast path only where the plan reads the caller's own tensors (an int64 table or
+    # lengths converted here would be a copy: values written later into the caller's would not be seen)
+    if tables is block_table and qsl is cu_seqlens_q and (seqused_k is None or seq_lens is seqused_k) \
+            and (alibi_slopes is None or slopes is alibi_slopes or slopes._base is alibi_slopes):
+        _plans.remember(key, (block_table, seqused_k, cu_seqlens_k, cu_seqlens_q, alibi_slopes, k_descale, v_descale),
+                        (plan, ks, vs, cu_seqlens_k if seqused_k is None else None))
     return (o, lse.t()) if return_lse else o
 
 

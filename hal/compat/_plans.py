@@ -27,6 +27,7 @@ def _kind(s):
 def run(q, key_cache, value_cache, tables, seq_lens, qsl, k_scale, v_scale, slopes, out, lse, **options):
     """This layer's call through the plan of its batch: made on the batch's first call (the one-shot
     call's validation, dispatch and errors), then ``plan.run``, which checks this layer's layouts.
+    Returns (the output, the plan that made it).
 
     The key is cheap on purpose (the per-call cost is the point): the batch tensors by identity
     (the entry holds them, so their ids cannot be reused while it is kept), the host bounds and
@@ -37,7 +38,7 @@ def run(q, key_cache, value_cache, tables, seq_lens, qsl, k_scale, v_scale, slop
     entry = _cache.get(key)
     if entry is not None:
         try:
-            return entry[0].run(q, key_cache, value_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
+            return entry[0].run(q, key_cache, value_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse), entry[0]
         except ArgumentError:
             pass  # another layout: plan it (hal.plan raises the one-shot call's error if it is malformed)
     plan = planning.plan("paged_attention", q, key_cache, value_cache, tables, seq_lens, k_scale=k_scale,
@@ -46,7 +47,7 @@ def run(q, key_cache, value_cache, tables, seq_lens, qsl, k_scale, v_scale, slop
     _cache.move_to_end(key)
     while len(_cache) > _KEEP:
         _cache.popitem(last=False)
-    return plan.run(q, key_cache, value_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse)
+    return plan.run(q, key_cache, value_cache, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse), plan
 
 
 _lengths: OrderedDict = OrderedDict()
@@ -69,7 +70,29 @@ def lengths(cu: torch.Tensor) -> torch.Tensor:
     return entry[1]
 
 
+_fast: OrderedDict = OrderedDict()
+
+
+def remember(key: tuple, held: tuple, value) -> None:
+    """Keep ``value`` for the calls with ``key``: a tuple naming tensors (and other objects) by
+    ``id`` and plain values (bounds, options) by value. ``held``: the objects whose ids the key
+    names, kept with it so that no id is reused while the entry is kept."""
+    _fast[key] = (value, held)
+    _fast.move_to_end(key)
+    while len(_fast) > _KEEP:
+        _fast.popitem(last=False)
+
+
+def recall(key: tuple):
+    try:
+        hit = _fast.get(key)
+    except TypeError:  # an unhashable argument: the full path names what is wrong with it
+        return None
+    return None if hit is None else hit[0]
+
+
 def clear() -> None:
     """Drop every kept plan (and the tensors they hold)."""
     _cache.clear()
     _lengths.clear()
+    _fast.clear()
