@@ -1077,12 +1077,13 @@ def test_a_plan_keeps_none_of_its_layers_tensors_alive():
 
     case = make_case(seq_lens=[40, 9], num_heads=8, num_kv_heads=2, head_size=64, garbage=False)
     kc, vc = case.key_cache.clone(), case.value_cache.clone()
-    plan = hal.plan("paged_attention", case.query, kc, vc, case.block_tables, case.seq_lens, max_seq_len=40)
+    plan = hal.plan("paged_attention", case.query, kc, vc, case.block_tables, case.seq_lens, k_scale=0.5,
+                    v_scale=0.25, max_seq_len=40)
     refs = [weakref.ref(t) for t in (kc, vc)]
     del kc, vc
     gc.collect()
     assert all(r() is None for r in refs)
-    got = plan.run(case.query, case.key_cache, case.value_cache)
+    got = plan.run(case.query, case.key_cache, case.value_cache, k_scale=0.5, v_scale=0.25)
     want = hal.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                               max_seq_len=40)
+                               k_scale=0.5, v_scale=0.25, max_seq_len=40)
     assert torch.equal(got, want)
