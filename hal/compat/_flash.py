@@ -65,15 +65,15 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
                id(k_descale), id(v_descale), max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                return_lse)
         hit = _plans.recall(key)
-        if hit is not None and k.dim() == 4 and v.dim() == 4:
+        if hit is not None:
             plan, ks, vs, lengths_of = hit
-            if lengths_of is not None:
-                _plans.lengths(lengths_of)
-            lse = _lse_buffer(q.shape[0], q.shape[1], q.device) if return_lse else None
             try:
-                o = plan.run(q, c.kept_nhd_view(fn, "k", k), c.kept_nhd_view(fn, "v", v), k_scale=ks, v_scale=vs,
-                             out=out, lse=lse)
-            except ArgumentError:
+                kc, vc = c.kept_nhd_view(fn, "k", k), c.kept_nhd_view(fn, "v", v)
+                if lengths_of is not None:
+                    _plans.lengths(lengths_of)
+                lse = _lse_buffer(q.shape[0], q.shape[1], q.device) if return_lse else None
+                o = plan.run(q, kc, vc, k_scale=ks, v_scale=vs, out=out, lse=lse)
+            except ArgumentError:  # the full path below names what is wrong, or plans this layout
                 pass
             else:
                 return (o, lse.t()) if return_lse else o
@@ -84,6 +84,8 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
         c.fail(fn, "q", "3-d [total_q, num_heads, head_size]", c.desc(q))
     total_q, h = q.shape[0], q.shape[1]
     if block_table is not None:
+        if max_seqlen_k is None:  # FA3's paged call: the table's capacity bounds every sequence
+            max_seqlen_k = block_table.shape[1] * k.shape[1] if block_table.dim() == 2 and k.dim() == 4 else 0
         key_cache, value_cache = c.kept_nhd_view(fn, "k", k), c.kept_nhd_view(fn, "v", v)
         if seqused_k is not None:
             seq_lens = seqused_k if seqused_k.dtype == torch.int32 else seqused_k.to(torch.int32)

@@ -95,8 +95,10 @@ def flash_attn_with_kvcache(
     ``cu_seqlens_q`` [total_q, heads, d] rows per sequence. Returns ``out`` or, as FA3 does,
     ``(out, softmax_lse, out_accum, softmax_lse_accum)`` (the last two None: no partials leave hal)."""
     fn = "flash_attn_interface.flash_attn_with_kvcache"
-    _flash.unused(fn, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                  cache_leftpad=cache_leftpad, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens)
+    if not (qv is None and rotary_cos is None and rotary_sin is None and cache_batch_idx is None
+            and cache_leftpad is None and cu_seqlens_k_new is None and rotary_seqlens is None):
+        _flash.unused(fn, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                      cache_leftpad=cache_leftpad, cu_seqlens_k_new=cu_seqlens_k_new, rotary_seqlens=rotary_seqlens)
     _flash.no_fp8_query(fn, q, q_descale)
     if attention_chunk:
         c.refuse(fn, "attention_chunk", "chunked (local) attention has no hal equivalent; pass 0", attention_chunk)
@@ -110,9 +112,8 @@ def flash_attn_with_kvcache(
             c.fail(fn, "max_seqlen_q", "given with cu_seqlens_q", "None")
         if isinstance(cache_seqlens, int):
             cache_seqlens = torch.full((cu_seqlens_q.shape[0] - 1,), cache_seqlens, dtype=torch.int32, device=q.device)
-        capacity = page_table.shape[1] * k_cache.shape[1]
         res = _flash.varlen(fn, q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                             max_seqlen_k=capacity, seqused_k=cache_seqlens, block_table=page_table,
+                             max_seqlen_k=None, seqused_k=cache_seqlens, block_table=page_table,
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                              k_descale=k_descale, v_descale=v_descale, return_lse=return_softmax_lse)
     else:
