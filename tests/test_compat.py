@@ -336,6 +336,18 @@ def test_the_fast_path_serves_each_layer_its_own_cache_and_sees_values_written_i
     assert reference.relative_l2(call(kf, vf, q16), ref) <= L2
 
 
+def test_a_list_window_size_is_served_on_every_call():
+    """window_size as a list (unhashable, so never a fast-path key) is served the same each call."""
+    from hal.compat import _plans, vllm_flash_attn
+
+    _plans.clear()
+    q, kc, vc, table, seq, cu = _batch(54, [80, 33], [1, 1], 2, 2, 64, 16)
+    outs = [vllm_flash_attn.flash_attn_varlen_func(q, kc, vc, 1, cu, 80, seqused_k=seq, causal=True, block_table=table,
+                                                   window_size=[15, 0]) for _ in range(2)]
+    ref, _ = _ref(q, kc, vc, table, seq, cu, sliding_window=16)
+    assert len(_plans._fast) == 0 and all(reference.relative_l2(o, ref) <= L2 for o in outs)
+
+
 def test_a_converted_block_table_is_not_kept_so_values_written_into_it_are_seen():
     """An int64 block table is converted per call: a plan over the copy would not see values written
     into the caller's table later, so such a call never takes the fast path."""

@@ -56,7 +56,8 @@ def varlen(fn: str, q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, cu_seq
     attend to sequence i's keys: pages of the NHD cache ``k``/``v`` [num_blocks, page, kv_heads, d]
     through ``block_table`` (``seqused_k`` keys, else ``cu_seqlens_k``'s lengths), or without a block
     table the rows ``cu_seqlens_k[i] ..`` of a dense ``k``/``v`` [total_k, kv_heads, d] (viewed as
-    pages of one token). Returns ``out`` or ``(out, softmax_lse)``."""
+    pages of one token). ``max_seqlen_k=None`` with a block table: the table's capacity. Returns
+    ``out`` or ``(out, softmax_lse)``."""
     key = None
     if block_table is not None:
         # The fast path: a call with the batch arguments of an earlier served call runs that call's plan

@@ -76,8 +76,12 @@ _fast: OrderedDict = OrderedDict()
 def remember(key: tuple, held: tuple, value) -> None:
     """Keep ``value`` for the calls with ``key``: a tuple naming tensors (and other objects) by
     ``id`` and plain values (bounds, options) by value. ``held``: the objects whose ids the key
-    names, kept with it so that no id is reused while the entry is kept."""
-    _fast[key] = (value, held)
+    names, kept with it so that no id is reused while the entry is kept. A key with an unhashable
+    value (a list ``window_size``) is not kept: such calls take the full path each time."""
+    try:
+        _fast[key] = (value, held)
+    except TypeError:
+        return
     _fast.move_to_end(key)
     while len(_fast) > _KEEP:
         _fast.popitem(last=False)
